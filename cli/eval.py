@@ -38,14 +38,17 @@ class Args:
     chat/SFT examples (a .jsonl, .json, .csv or .tsv file, or a data folder in mlx-lm's layout:
     train.jsonl, valid.jsonl, test.jsonl); default: the data of the run --model belongs to (the
     same held-out split its training evaluated), else the digits fixture or the Python docs.
-    Data the run did not train on is scored whole (--split all) unless --split says otherwise."""
+    Data the run did not train on is scored whole (--split all) unless --split says otherwise;
+    a data folder scored by a model outside a run (a GGUF of its own) is read as
+    `mlx_lm.lora --test` reads it (`--split test`, `--seq-len` 2047, no prompt mask)."""
     split: Literal["val", "all", "test", "valid"] | None = None
     """Evaluate the validation split (the same fixed split training used; valid, mlx-lm's name
     for it, is val), every example, or the test set `toymlx-train --test` scores (mlx_lm.lora's
     --test): a ViT run's --data.test-path, a text or LoRA run's data folder's test.jsonl
     (--data.path here: every image of it, a data folder's test.jsonl, or a JSONL file of chat
     examples). Default: val on the run's own data, all on --data.path data the run did not
-    train on."""
+    train on; for a model outside a run, test on a data folder holding a test.jsonl (what
+    `mlx_lm.lora --test` scores)."""
     batch_size: int | None = None
     """Examples per forward pass (a text model's windows: this over 16). Default: on a run's
     own validation split, the run's --batch-size (config.json), so that the batches are those
@@ -56,7 +59,10 @@ class Args:
     `toymlx-train --eval-batches` does; -1 (mlx-lm's --val-batches -1): every row. Default:
     the run's own --eval-batches (config.json), so the loss is its last eval event's."""
     seq_len: int | None = None
-    """Llama only: tokens per window (default: a run's own --seq-len, else 256)."""
+    """Llama only: tokens per window, or targets per chat/SFT row (an example cut there).
+    Default: a run's own --seq-len; for a model outside a run, on a data folder 2047 (mlx-lm's
+    max_seq_length 2048 tokens, 2047 targets; the model's context where that is shorter), else
+    256."""
     max_examples: Annotated[int | None, tyro.conf.arg(aliases=("--limit",))] = None
     """Score only the first N examples of the split, in its fixed order (the same ones every
     call), for a quick estimate: images (a ViT), windows of --seq-len tokens (a text run),
@@ -73,9 +79,21 @@ class Args:
         name="data.no-pack", help_behavior_hint="(default: a run's own, else on)"),
         tyro.conf.FlagCreatePairsOff] = False
     """Chat/SFT examples: one example a row, cut at --seq-len, as mlx-lm's evaluate
-    (`mlx_lm.lora --test --mask-prompt`: toymlx scores the answers alone) and a toymlx lora run
-    of --data.no-pack score them: the default for a model outside a run; for a run, its own
-    (packed) rows scored so instead."""
+    (`mlx_lm.lora --test`) and a toymlx lora run of --data.no-pack score them: the default for
+    a model outside a run; for a run, its own (packed) rows scored so instead."""
+    data_mask_prompt: Annotated[bool, tyro.conf.arg(
+        name="data.mask-prompt", help_behavior_hint="(default: a run's own, else see below)"),
+        tyro.conf.FlagCreatePairsOff] = False
+    """Chat/SFT examples: score the answers alone (prompts and chat headers get no loss). On a
+    data folder scored by a model outside a run: mlx_lm.lora's --mask-prompt (the last message
+    alone); else as a toymlx lora run's --data.mask-prompt (every assistant turn, or the run's
+    --data.train-turns). Default: a run's own; for a model outside a run, off on a data folder
+    (mlx-lm's default: every token of a row scored), on for a single file."""
+    data_no_mask_prompt: Annotated[bool, tyro.conf.arg(
+        name="data.no-mask-prompt", help_behavior_hint="(default: a run's own, else see above)"),
+        tyro.conf.FlagCreatePairsOff] = False
+    """Chat/SFT examples: score every token of a row, prompts and chat headers too, as mlx-lm
+    does without --mask-prompt and a toymlx lora run of --data.no-mask-prompt."""
     device: Literal["auto", "gpu", "cpu"] = "auto"
     """Where MLX runs."""
     plot: str | None = None
@@ -120,6 +138,9 @@ def check_sizes(args: Args) -> None:
                          "first N of the whole split); drop one")
     if args.data_pack and args.data_no_pack:
         raise ValueError("--data.pack, --data.no-pack: expected one of them, got both")
+    if args.data_mask_prompt and args.data_no_mask_prompt:
+        raise ValueError("--data.mask-prompt, --data.no-mask-prompt: expected one of them, got "
+                         "both")
     if args.seq_len is not None and args.seq_len < 1:
         raise ValueError(f"--seq-len: expected >= 1 tokens (or leave it out: the run's own, "
                          f"else 256), found {args.seq_len}")
@@ -203,6 +224,24 @@ def pack_flag(args: Args) -> bool | None:
     return True if args.data_pack else False if args.data_no_pack else None
 
 
+def mask_flag(args: Args) -> bool | None:
+    """--data.mask-prompt (True) or --data.no-mask-prompt (False) as given; None: neither."""
+    return True if args.data_mask_prompt else False if args.data_no_mask_prompt else None
+
+
+def chat_flags(args: Args) -> list[str]:
+    """The flags given that build chat/SFT rows (--data.pack, --data.no-mask-prompt, ...)."""
+    return [name for flag, yes in ((pack_flag(args), "pack"), (mask_flag(args), "mask-prompt"))
+            if flag is not None for name in [f"--data.{'' if flag else 'no-'}{yes}"]]
+
+
+def mlx_lm_folder(args: Args, cfg: Any) -> bool:
+    """Whether chat/SFT rows are built as `mlx_lm.lora --test` builds them: --data.path a data
+    folder (mlx-lm's layout) scored by a model outside a run (`cfg` None), whose rows no run's
+    settings decide; then `outside_rows`' settings, unless flags say."""
+    return cfg is None and args.data_path is not None and Path(args.data_path).is_dir()
+
+
 def chat_pack(cfg: Any, given: bool | None) -> bool:
     """Whether chat/SFT rows are packed: as given (--data.pack, --data.no-pack), else as the
     run of config `cfg` packed them (its --data.pack), else (a model outside a run) one example
@@ -214,11 +253,51 @@ def chat_pack(cfg: Any, given: bool | None) -> bool:
     return bool(getattr(data, "pack", False))
 
 
+class ChatRows(NamedTuple):
+    """How a model outside a run builds chat/SFT rows (no run's settings decide them):
+    --seq-len (None: eval's 256), --data.mask-prompt, --data.train-turns, and `said`, the words
+    naming them in eval's line (`own_rows_note`)."""
+
+    seq_len: int | None
+    mask: bool
+    turns: str
+    said: str
+
+
+def outside_rows(args: Args, model: Any) -> ChatRows:
+    """The chat/SFT rows of a model outside a run: on a data folder (`mlx_lm_folder`), those of
+    `mlx_lm.lora --test`, from mlx_lm/lora.py's defaults (`MLX_LM_DEFAULTS`): max_seq_length
+    2048 tokens, 2047 targets (cut to `model`'s context where shorter, as an explicit --seq-len
+    over it is refused), mask_prompt off, and masked the last message alone trained (its
+    mask_prompt, `MLX_LM_FIXED`); on a file, eval's own: prompts masked, assistant turns
+    trained. --seq-len and --data.mask-prompt as given win."""
+    from toymlx_cli.mlx_lm_config import MLX_LM_DEFAULTS, MLX_LM_FIXED
+
+    given = mask_flag(args)
+    if not mlx_lm_folder(args, None):
+        mask = True if given is None else given
+        return ChatRows(args.seq_len, mask, "assistant", "prompts masked, assistant turns "
+                        "trained" if mask else "every token scored (--data.no-mask-prompt)")
+    longest = MLX_LM_DEFAULTS["max_seq_length"] - 1
+    context = getattr(getattr(model, "args", None), "context", None) or longest
+    seq_len = args.seq_len or min(longest, context)
+    mask = MLX_LM_DEFAULTS["mask_prompt"] if given is None else given
+    cut = (f"its max_seq_length {longest + 1} tokens" if seq_len == longest else
+           f"its max_seq_length {longest + 1} cut to the model's context {context}")
+    said = ("as mlx_lm.lora --test builds them: "
+            + ("" if args.seq_len else f"--seq-len {seq_len} from {cut}, ")
+            + ("prompts masked, the last message trained (its --mask-prompt)" if mask else
+               "every token scored (no --mask-prompt" + (", its default)" if given is None
+                                                          else ")")))
+    return ChatRows(seq_len, mask, MLX_LM_FIXED["data.train_turns"] if mask else "assistant",
+                    said)
+
+
 def check_no_pack(args: Args, found: str) -> None:
-    """--data.pack and --data.no-pack build chat/SFT rows: given where eval scores other data
-    (`found`: images, text windows), refused in one line, not ignored."""
-    if (flag := pack_flag(args)) is not None:
-        name = "--data.pack" if flag else "--data.no-pack"
+    """--data.pack, --data.mask-prompt and their no- forms build chat/SFT rows: given where
+    eval scores other data (`found`: images, text windows), refused in one line, not ignored."""
+    if flags := chat_flags(args):
+        name = ", ".join(flags)
         raise ValueError(f"{name}: expected chat/SFT examples to build rows of (a JSONL file or "
                          f"data folder of prompt/completion or messages), found {found}; drop "
                          f"{name}")
@@ -291,8 +370,9 @@ def check_run_data(bundle, split: str) -> None:
     data may hold rows the run trained on). Read from: for `test`, the run's test file (a
     data folder's test.jsonl, a ViT's --data.test-path); for `val`, its validation file (a
     data folder's valid.jsonl, --data.val-path), else the data whose seeded share it is; for
-    `all`, every data path. A folder recorded without its files' own is checked whole, and
-    the data given with --data.path instead is scored as it is."""
+    `all`, every data path. A folder recorded without its files' own is checked whole; a
+    split file the record leaves out (test.jsonl of a run of no --test, which never read it)
+    is not checked; the data given with --data.path instead is scored as it is."""
     from toymlx.bundle.inputs import DATA_FILES_KEY, changed_part, data_reads, same_data
     from toymlx.bundle.options import option
     from toymlx.data.chat import data_files, text_folder_files
@@ -322,7 +402,9 @@ def check_run_data(bundle, split: str) -> None:
         if key == "data.path" and path.is_dir() and bundle.recipe != "vit-tiny" \
                 and split != "all" and text_folder_files(path) is None:
             part = getattr(data_files(path), "test" if split == "test" else "valid")
-        parts = rec.get("files")
+        parts, only = rec.get("files"), rec.get("only")
+        if part is not None and isinstance(only, list) and part.name not in only:
+            continue  # a file the run never read (test.jsonl without --test): not recorded
         # a folder's other files (train.jsonl) may change freely
         if part is not None and isinstance(parts, dict) and isinstance(parts.get(part.name),
                                                                         dict):
@@ -447,6 +529,10 @@ class FileRun(NamedTuple):
         if args.data_path is not None:
             data.pop("path", None)
             mine.append("--data.path")
+        for key, flag in (("pack", pack_flag(args)), ("mask_prompt", mask_flag(args))):
+            if flag is not None:  # --data.pack, --data.no-mask-prompt, ...: the flag's rows
+                data.pop(key, None)
+        mine += chat_flags(args)
         given["data"] = data
         return (f"rows as the run built them, from {self.source}'s {RUN_DATA_NAME}: "
                 f"{' '.join(option_flags(given))}"
@@ -493,12 +579,20 @@ def file_run(model: str) -> FileRun | None:
     return FileRun(cfg, path, given, found)
 
 
-def default_split(args: Args, own: bool) -> str:
-    """--split as given (valid as val); else val on the run's own data (`own`: the held-out split its training
-    evaluated), and all on --data.path data the run did not train on: no part of it was held
-    out from training, so a 10% split of it would only score fewer examples."""
+def default_split(args: Args, own: bool, outside: bool) -> str:
+    """--split as given (valid as val); else val on the run's own data (`own`: the held-out
+    split its training evaluated), and all on --data.path data the run did not train on: no
+    part of it was held out from training, so a 10% split of it would only score fewer
+    examples; for a model outside a run (`outside`), test on a data folder holding a test file,
+    which is what `mlx_lm.lora --test` scores of the same folder."""
+    from toymlx.data.chat import SPLIT_NAMES
+
     if args.split is not None:
         return "val" if args.split == "valid" else args.split  # mlx-lm's valid.jsonl
+    if outside and mlx_lm_folder(args, None) and any(
+            (Path(args.data_path) / name).is_file() for name in SPLIT_NAMES
+            if name.startswith("test.")):
+        return "test"
     return "val" if args.data_path is None or own else "all"
 
 
@@ -613,7 +707,8 @@ def evaluate_chat(args: Args, cfg: Any, rows: RunRows | None = None) -> dict:
     --seq-len, --data.mask-prompt, --data.train-turns, --data.pack): its validation rows (a
     data folder's valid.jsonl, else the split training used), every row (--split all), or
     test.jsonl (--split test: what `toymlx-train --test` records at the end of a run); `rows`:
-    those of a run's own validation split that `run_rows` picks."""
+    those of a run's own validation split that `run_rows` picks. A model outside a run (`cfg`
+    None) builds them as `outside_rows` says (a data folder: as mlx_lm.lora --test)."""
     import math
 
     from toymlx.backend.device import on_gpu
@@ -629,11 +724,14 @@ def evaluate_chat(args: Args, cfg: Any, rows: RunRows | None = None) -> dict:
     print(f"{PROG}: {used_files(args.model)}", file=sys.stderr)
     split = args.split or "val"  # Args built in code skip `evaluate`'s `default_split`
     pack = chat_pack(cfg, pack_flag(args))
-    if rows is not None and pack != chat_pack(cfg, None):  # other rows than the run's own
-        rows = rows._replace(own=False)
-    r = chat_loss(model, tok, cfg, split, args.data_path, args.seq_len,
+    own = outside_rows(args, model) if cfg is None else None
+    mask = own.mask if own is not None else mask_flag(args)
+    run_mask = getattr(getattr(cfg, "data", None), "mask_prompt", True)
+    if rows is not None and (pack != chat_pack(cfg, None) or mask not in (None, run_mask)):
+        rows = rows._replace(own=False)  # other rows than the run's own
+    r = chat_loss(model, tok, cfg, split, args.data_path, own.seq_len if own else args.seq_len,
                   args.batch_size or 256, first=args.max_examples, progress=bar_name(args),
-                  pick=rows, pack=pack)
+                  pick=rows, pack=pack, mask=mask, turns=own.turns if own else None)
     # named as the run's events name them (test) and as a text checkpoint's report (val, all)
     names = ("test_loss", "test_perplexity") if split == "test" else ("val_loss", "perplexity")
     # rows: the examples of one row each (padded) or run together (packed, --data.pack)
@@ -646,16 +744,17 @@ def evaluate_chat(args: Args, cfg: Any, rows: RunRows | None = None) -> dict:
                   "every example", file=sys.stderr)
         for note in r.notes:  # examples cut at --seq-len: their ends not scored
             print(f"{PROG}: {note}", file=sys.stderr)
-        print(f"{PROG}: {own_rows_note(args.seq_len, r, split, pack)}", file=sys.stderr)
+        print(f"{PROG}: {own_rows_note(r, split, pack, own)}", file=sys.stderr)
     return {"model": str(args.model), "data": r.source, "split": split, "rows": r.rows,
-            "packed": pack, names[0]: r.loss, names[1]: math.exp(r.loss), "seq_len": r.seq_len,
-            "tokens_scored": r.tokens, **limited}
+            "packed": pack, "mask_prompt": r.mask, names[0]: r.loss, names[1]: math.exp(r.loss),
+            "seq_len": r.seq_len, "tokens_scored": r.tokens, **limited}
 
 
-def own_rows_note(seq_len: int | None, r: HeldOut, split: str, pack: bool) -> str:
+def own_rows_note(r: HeldOut, split: str, pack: bool, own: ChatRows) -> str:
     """The line saying how chat/SFT rows were built for a model outside a run (a fused export
     from before toymlx recorded its run's settings, `FileRun`; a GGUF of its own): with eval's
-    settings, not any run's, which the file does not record. By default one example a row
+    settings (`own`: on a data folder, mlx_lm.lora --test's), not any run's, which the file
+    does not record. By default one example a row
     (`pack` False), as mlx-lm's evaluate scores them: packed (a toymlx lora run's default,
     --data.pack), each example is read after the ones before it (SmolLM2-135M on python_qa's
     53 validation examples: 2.8780 packed, 2.9515 one a row). --seq-len and --data.pack give a default run's rows (it kept
@@ -665,12 +764,12 @@ def own_rows_note(seq_len: int | None, r: HeldOut, split: str, pack: bool) -> st
     from toymlx.backend.files import counted
 
     which = {"val": "validation ", "test": "test "}.get(split, "")
-    given = "" if seq_len is not None else "default; "
+    given = "" if own.seq_len is not None else "default; "
     how = "packed" if pack else "one example a row, as mlx-lm's evaluate scores them"
     other = ("--data.no-pack where it kept one example a row" if pack else
              "--data.pack where it packed them (toymlx-train's default)")
     return (f"{counted(r.examples, which + 'example')} made {counted(r.rows, 'row')} of "
-            f"--seq-len {r.seq_len} ({given}{how}; prompts masked, assistant turns trained): "
+            f"--seq-len {r.seq_len} ({given}{how}; {own.said}): "
             f"eval's rows for a model outside a run, not a run's; to score a run's eval rows "
             f"give its --seq-len, {other}, and --max-examples its --eval-batches x "
             "--batch-size where the split makes more rows (a run of other --data.mask-prompt "
@@ -707,20 +806,25 @@ class HeldOut(NamedTuple):
     notes: tuple[str, ...] = ()
     """What of each split's examples was cut or left out at --seq-len (`Fit.note`), as a run
     says it of its own"""
+    mask: bool = True
+    """Whether prompts were masked (--data.mask-prompt): the answers alone scored"""
 
 
 def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str | None = None,
               seq_len: int | None = None, batch_size: int = 256, first: int | None = None,
               progress: str | None = PROG, pick: RunRows | None = None,
-              per_row: bool = False, pack: bool | None = None) -> HeldOut:
+              per_row: bool = False, pack: bool | None = None, mask: bool | None = None,
+              turns: str | None = None) -> HeldOut:
     """What `model` scores on a LoRA run's chat/SFT rows of `split` (see `evaluate_chat`), `cfg`
     the run's configuration (None: --data.path or the default); `first`: only the first that
     many rows (--max-examples), no example after them tokenized; `pick` (instead, on the
     validation split): the rows `run_rows` picks, batched as the run's validation batches
     them (`held_out_call_rows` a call), so that the loss is its eval events'; `per_row`: each
     row's loss sum and count too (`lm_held_out_rows`); `pack`: --data.pack or --data.no-pack
-    as given (None: the run's own, else one example a row, `chat_pack`); `progress`: the name
-    of the pass's progress bar (drawn on a terminal, `Evaluator`; None: none)."""
+    as given (None: the run's own, else one example a row, `chat_pack`); `mask`, `turns`:
+    --data.mask-prompt and --data.train-turns (None: the run's own, else masked, assistant
+    turns); `progress`: the name of the pass's progress bar (drawn on a terminal, `Evaluator`;
+    None: none)."""
     import numpy as np
 
     from toymlx.backend.files import counted
@@ -752,8 +856,9 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     seq_len = seq_len or getattr(cfg, "seq_len", None) or 256
     pick = pick if split == "val" else None
     held = ""
-    mask, pack = data.get("mask_prompt", True), chat_pack(cfg, pack)
-    turns = data.get("train_turns", "assistant")
+    mask = data.get("mask_prompt", True) if mask is None else mask
+    pack = chat_pack(cfg, pack)
+    turns = turns or data.get("train_turns", "assistant")
     keys = row_keys(data.get("keys", ()))
     bar = progress is not None  # tokenizing bars on a terminal, as the pass's own
 
@@ -815,7 +920,7 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     tokens = int(sum(b["mask"].sum() for b in batches))
     return HeldOut(m["test_loss"], scored, source, tokenized, total, n, m.get("test_row_loss"),
                    m.get("test_row_n"), seq_len, tokens, held,
-                   tuple(note for note in notes if note))
+                   tuple(note for note in notes if note), mask)
 
 
 def first_windows(batches: list[dict[str, Any]], n: int | None) -> list[dict[str, Any]]:
@@ -863,7 +968,8 @@ def evaluate(args: Args) -> dict:
     # a fused file outside its run: the run's rows, from the settings the file records
     fused = file_run(args.model) if bundle is None else None
     own = reads_run_data(args, bundle) if fused is None else fused.reads(args.data_path)
-    args = dataclasses.replace(args, split=default_split(args, own))
+    args = dataclasses.replace(args, split=default_split(args, own, bundle is None and
+                                                         fused is None))
     if bundle is not None and args.data_path is None:
         check_run_data(bundle, args.split)
     # a run's own validation split: the rows its eval events score (`run_rows`), unless
@@ -922,6 +1028,8 @@ def evaluate(args: Args) -> dict:
         cfg = bundle.config if bundle is not None else None
         text_run = isinstance(getattr(cfg, "data", None), TextData)  # from-scratch, warm-start
         if args.split == "test" and not text_run:  # a GGUF of its own: chat/SFT test examples
+            return evaluate_chat(args, cfg)
+        if mlx_lm_folder(args, cfg):  # its rows, text ones too, as mlx-lm scores them
             return evaluate_chat(args, cfg)
         run_data = own and text_run  # read as the run read it (its --data.read-as)
         if args.data_path is not None and args.split != "test" and not run_data \

@@ -361,7 +361,8 @@ def test_a_gguf_of_its_own_scores_chat_examples_one_a_row_as_mlx_lm_and_a_run_do
     def scored(*extra: str) -> tuple[dict, str]:
         capsys.readouterr()
         assert eval_main(["--model", str(tiny_gguf), "--data.path", str(data), "--split",
-                          "val", "--seq-len", "64", "--no-progress", *extra]) == 0
+                          "val", "--seq-len", "64", "--data.mask-prompt", "--no-progress",
+                          *extra]) == 0
         out, err = capsys.readouterr()
         return json.loads(out), err.splitlines()[-1]
 
@@ -382,8 +383,9 @@ def test_a_gguf_of_its_own_scores_chat_examples_one_a_row_as_mlx_lm_and_a_run_do
     assert got["val_loss"] == pytest.approx(one_a_row, abs=1e-4)
     assert got["val_loss"] == pytest.approx(step0("own", "--data.no-pack"), abs=1e-4)
     assert got == scored("--data.no-pack")[0]
-    said = ("toymlx-eval: 6 validation examples made {} of --seq-len 64 ({}; prompts masked, "
-            "assistant turns trained): eval's rows for a model outside a run, not a run's; to "
+    said = ("toymlx-eval: 6 validation examples made {} of --seq-len 64 ({}; as mlx_lm.lora "
+            "--test builds them: prompts masked, the last message trained (its --mask-prompt)): "
+            "eval's rows for a model outside a run, not a run's; to "
             "score a run's eval rows give its --seq-len, {}, and --max-examples its "
             "--eval-batches x --batch-size where the split makes more rows (a run of other "
             "--data.mask-prompt or --data.train-turns: toymlx-eval --model RUN, or its fused "
@@ -431,7 +433,8 @@ def test_examples_cut_at_seq_len_are_said(tmp_path, stories_path, capsys):
     """A GGUF of its own, one example a row: examples longer than --seq-len were cut, their
     ends left unscored, with nothing said (mlx-lm warns of sequences over its
     max_seq_length); the line a run prints of its own rows now says how many, and the tokens
-    scored are those within the rows."""
+    scored are those within the rows (every token of them: a data folder outside a run is
+    scored as mlx_lm.lora --test scores it, no --mask-prompt)."""
     folder = number_stories_folder(tmp_path / "data", {"train": 4, "test": 5})
     capsys.readouterr()
     assert eval_main(["--model", str(stories_path), "--data.path", str(folder), "--split",
@@ -443,8 +446,8 @@ def test_examples_cut_at_seq_len_are_said(tmp_path, stories_path, capsys):
     model, g = load_llama(stories_path, weights="float32")
     tok = Tokenizer.from_metadata(g.metadata)
     g.close()
-    rows = chat.pack_or_pad([chat.tokenize_example(e, tok, True) for e in chat.load_examples(f)],
-                            20, tok.eos_id, pack=False)
+    rows = chat.pack_or_pad([chat.tokenize_example(e, tok, False)
+                             for e in chat.load_examples(f)], 20, tok.eos_id, pack=False)
     got = json.loads(out)
     assert got["tokens_scored"] == int(rows["mask"].sum())
     assert got["test_loss"] == pytest.approx(
@@ -778,9 +781,10 @@ def test_a_fused_export_outside_its_run_says_the_rows_it_built(tiny_gguf, tmp_pa
     --seq-len, --data.pack of the run to read), was scored as 1 row of eval's default --seq-len 256 with
     nothing said: every trained token, but the second example read after the first, so a loss
     other than the run's. Now a line on stderr says the rows eval built with its own settings
-    (one example a row, as mlx-lm scores them) and how to score the run's; the report gives
-    --seq-len and the tokens scored; with the run's --seq-len and --data.pack the rows and the
-    loss are the run's last validation (F32 fuse: exact), and
+    (on a data folder those of mlx_lm.lora --test: one example a row, every token scored) and
+    how to score the run's; the report gives --seq-len and the tokens scored; with the run's
+    --seq-len, --data.pack and --data.mask-prompt the rows and the loss are the run's last
+    validation (F32 fuse: exact), and
     of a run validating its first --eval-batches 2 x --batch-size 2 of 8 rows, with
     --max-examples 4 too."""
     from toymlx_cli.export import main as export_main
@@ -815,29 +819,39 @@ def test_a_fused_export_outside_its_run_says_the_rows_it_built(tiny_gguf, tmp_pa
         out, err = capsys.readouterr()
         return json.loads(out), err.splitlines()[-1]
 
-    said = ("toymlx-eval: 2 validation examples made 2 rows of --seq-len {} ({}; prompts "
-            "masked, assistant turns trained): eval's rows for a model outside a run, not a "
+    said = ("toymlx-eval: 2 validation examples made 2 rows of --seq-len {} ({}; as "
+            "mlx_lm.lora --test builds them: {}): eval's rows for a model outside a run, not a "
             "run's; to score a run's eval rows give its --seq-len, {}, and --max-examples its "
             "--eval-batches x --batch-size where the split makes more rows (a run of other "
             "--data.mask-prompt or --data.train-turns: toymlx-eval --model RUN, or its fused "
             "file exported again, which records them)")
     one_a_row = ("one example a row, as mlx-lm's evaluate scores them",
                  "--data.pack where it packed them (toymlx-train's default)")
-    got, line = scored()
-    assert line == said.format("256", "default; " + one_a_row[0], one_a_row[1])
+    masked = "prompts masked, the last message trained (its --mask-prompt)"
+    got, line = scored()  # a data folder: mlx_lm.lora --test's rows, every token scored
+    assert line == said.format("256", one_a_row[0], "--seq-len 256 from its max_seq_length 2048 "
+                               "cut to the model's context 256, every token scored (no "
+                               "--mask-prompt, its default)", one_a_row[1])
+    assert (got["rows"], got["seq_len"], got["mask_prompt"]) == (2, 256, False)
+    assert got["tokens_scored"] > 18  # the prompts too
+    got, line = scored("--data.mask-prompt")
+    assert line == said.format("256", one_a_row[0], "--seq-len 256 from its max_seq_length 2048 "
+                               "cut to the model's context 256, " + masked, one_a_row[1])
     assert (got["rows"], got["seq_len"], got["tokens_scored"]) == (2, 256, 18)
     assert abs(got["val_loss"] - last["val_loss"]) > 1e-5  # other rows: another figure
-    got, line = scored("--seq-len", "64")
-    assert line == said.format("64", *one_a_row)
+    got, line = scored("--seq-len", "64", "--data.mask-prompt")
+    assert line == said.format("64", one_a_row[0], masked, one_a_row[1])
     assert abs(got["val_loss"] - last["val_loss"]) > 1e-5  # still not the run's packed rows
-    got, line = scored("--seq-len", "64", "--data.pack")
-    assert line == said.format("64", "packed", "--data.no-pack where it kept one example a row")
+    got, line = scored("--seq-len", "64", "--data.pack", "--data.mask-prompt")
+    assert line == said.format("64", "packed", masked,
+                               "--data.no-pack where it kept one example a row")
     assert (got["rows"], got["seq_len"], got["tokens_scored"]) == (2, 64, 18)
     assert abs(got["val_loss"] - last["val_loss"]) <= 1e-5
     data, fused, last = fused_run("b", 10, "--eval-batches", "2")
     assert len(last["val_row_n"]) == 4  # of the 8 rows the 10 examples make
     flags = ["--data.path", str(data), "--split", "val", "--no-progress"]
-    got, _ = scored("--seq-len", "64", "--max-examples", "4", "--data.pack")
+    got, _ = scored("--seq-len", "64", "--max-examples", "4", "--data.pack",
+                    "--data.mask-prompt")
     assert (got["rows"], got["tokens_scored"]) == (4, sum(last["val_row_n"]))
     assert abs(got["val_loss"] - last["val_loss"]) <= 1e-5
 
@@ -907,7 +921,7 @@ def test_a_fused_file_is_scored_on_its_runs_rows(tiny_gguf, tmp_path, capsys, se
         "toy.run_data.fingerprint.sha256": json.loads((tmp_path / "r" / "config.json")
                                                       .read_text())["data_files"]["data.path"]
         ["sha256"],
-        "toy.run_data.fingerprint.only": list(SPLIT_NAMES)}
+        "toy.run_data.fingerprint.only": [n for n in SPLIT_NAMES if not n.startswith("test.")]}
 
     def scored(path: Path, *flags: str) -> tuple[dict, list[str]]:
         capsys.readouterr()
@@ -966,3 +980,106 @@ def test_a_fused_file_is_scored_on_its_runs_rows(tiny_gguf, tmp_path, capsys, se
                            f"{fused} trained on (sha256 {sha[:12]}, metadata key "
                            "'toy.run_data.fingerprint.sha256'), found other contents (sha256 "
                            ), line
+
+
+def _two_kinds_test_folder(path: Path) -> Path:
+    """An mlx-lm data folder whose test.jsonl holds 8 chat rows, every other one of two
+    exchanges (so that mlx-lm's --mask-prompt, the last message alone, and a toymlx run's
+    every assistant turn differ), beside a train.jsonl and a valid.jsonl eval must not read."""
+    mlx_lm_folder(path, n_train=4, n_valid=2, n_test=0)
+    rows = []
+    for i in range(8):
+        messages = [{"role": "user", "content": f"test question {i}?"},
+                    {"role": "assistant", "content": f"answer {i * 7 % 10}"}]
+        if i % 2:
+            messages += [{"role": "user", "content": "and twice that?"},
+                         {"role": "assistant", "content": f"twice is {i * 14 % 20}"}]
+        rows.append(json.dumps({"messages": messages}) + "\n")
+    (path / "test.jsonl").write_text("".join(rows))
+    return path
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_a_gguf_of_its_own_scores_a_data_folder_as_mlx_lm_lora_test_does(
+        tiny_gguf, tmp_path, capsys, mask):  # noqa: F811
+    """`toymlx-eval --model BASE.gguf --data.path FOLDER` on an mlx-lm data folder scored
+    --split all (train.jsonl and valid.jsonl), --seq-len 256, prompts masked (every assistant
+    turn), with no flag to score every token. An mlx-lm user expects `mlx_lm.lora --test`:
+    test.jsonl, max_seq_length 2048, mask_prompt off unless asked (then the last message
+    alone). Now those are the defaults outside a run (--seq-len 2047; the tiny model's context,
+    256, here), and --data.mask-prompt is mlx-lm's --mask-prompt: the loss is mlx-lm's own
+    `evaluate` (its CacheDataset, batches and mask; mlx-lm's model built from the GGUF) on the
+    rows' own targets within 1e-4 (mlx-lm's printed figure also counts a pad target after
+    each row: docs/RESULTS.md, session 16)."""
+    import argparse
+
+    from mlx import nn
+    from mlx_lm.tuner.datasets import CacheDataset, load_local_dataset
+    from mlx_lm.tuner.trainer import default_loss, evaluate
+    from mlx_lm_adapters import hf_model
+    from test_mlx_lm_config import _AsHuggingFace
+
+    def own_targets_loss(model, batch, lengths):  # default_loss with `steps < lengths`
+        logits = model(batch[:, :-1])
+        steps = mx.arange(1, batch.shape[1])
+        keep = mx.logical_and(steps >= lengths[:, 0:1], steps < lengths[:, 1:])
+        ntoks = keep.sum()
+        ce = (nn.losses.cross_entropy(logits, batch[:, 1:]) * keep).astype(mx.float32).sum()
+        return ce / ntoks, ntoks
+
+    folder = _two_kinds_test_folder(tmp_path / "data")
+    _, g = load_llama(tiny_gguf, weights="float32")
+    tok = Tokenizer.from_metadata(g.metadata)
+    g.close()
+    _, _, test = load_local_dataset(folder, _AsHuggingFace(tok),
+                                    argparse.Namespace(mask_prompt=mask))
+    ref = hf_model(tiny_gguf)
+    # batches of 4 of the 8 rows: mlx-lm drops none (it leaves out the len % batch_size longest)
+    theirs = evaluate(ref, CacheDataset(test), batch_size=4, num_batches=-1,
+                      max_seq_length=2048, loss=own_targets_loss)
+    printed = evaluate(ref, CacheDataset(test), batch_size=4, num_batches=-1,
+                       max_seq_length=2048, loss=default_loss)
+    capsys.readouterr()
+    flags = ["--data.mask-prompt"] if mask else []
+    assert eval_main(["--model", str(tiny_gguf), "--data.path", str(folder), "--no-progress",
+                      *flags]) == 0
+    out, err = capsys.readouterr()
+    got = json.loads(out)
+    assert (got["split"], got["data"], got["rows"], got["packed"], got["mask_prompt"],
+            got["seq_len"]) == ("test", str(folder / "test.jsonl"), 8, False, mask, 256)
+    assert got["test_loss"] == pytest.approx(theirs, abs=1e-4)
+    assert abs(printed - theirs) > 1e-3  # the pad target a row: another figure
+    # the tokens scored are mlx-lm's: the last message's alone where masked, else every one
+    processed = [test.process(test[i]) for i in range(len(test))]
+    assert got["tokens_scored"] == sum(len(ids) - max(offset, 1) for ids, offset in processed)
+    said = ("every token scored (no --mask-prompt, its default)" if not mask else
+            "prompts masked, the last message trained (its --mask-prompt)")
+    assert err.splitlines()[-1] == (
+        "toymlx-eval: 8 test examples made 8 rows of --seq-len 256 (one example a row, as "
+        "mlx-lm's evaluate scores them; as mlx_lm.lora --test builds them: --seq-len 256 from "
+        f"its max_seq_length 2048 cut to the model's context 256, {said}): eval's rows for a "
+        "model outside a run, not a run's; to score a run's eval rows give its --seq-len, "
+        "--data.pack where it packed them (toymlx-train's default), and --max-examples its "
+        "--eval-batches x --batch-size where the split makes more rows (a run of other "
+        "--data.mask-prompt or --data.train-turns: toymlx-eval --model RUN, or its fused file "
+        "exported again, which records them)")
+
+
+def test_mask_prompt_flags_are_refused_where_no_chat_rows_are_built(tiny_gguf, tmp_path,  # noqa: F811
+                                                                     capsys):
+    """--data.mask-prompt and --data.no-mask-prompt (new) build chat/SFT rows: both at once, or
+    either on plain text (scored in windows), is one line, not ignored."""
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 8)
+    capsys.readouterr()
+    assert eval_main(["--model", str(tiny_gguf), "--data.path", str(text), "--data.mask-prompt",
+                      "--data.no-mask-prompt"]) == 2
+    assert error_line(capsys, "toymlx-eval") == (
+        "toymlx-eval: error: --data.mask-prompt, --data.no-mask-prompt: expected one of them, "
+        "got both")
+    assert eval_main(["--model", str(tiny_gguf), "--data.path", str(text), "--seq-len", "16",
+                      "--data.no-mask-prompt"]) == 2
+    assert error_line(capsys, "toymlx-eval") == (
+        "toymlx-eval: error: --data.no-mask-prompt: expected chat/SFT examples to build rows of "
+        "(a JSONL file or data folder of prompt/completion or messages), found "
+        f"{text} (plain text, scored in windows of --seq-len tokens); drop --data.no-mask-prompt")

@@ -550,7 +550,9 @@ def test_eval_split_test_refuses_a_test_set_edited_since_the_run(tiny_gguf, tmp_
     start: after test.jsonl is edited, `--split test` on the run names the file and both of
     its own digests (exit 2) rather than score other examples under the run's name;
     --data.path scores the data as it is now. An edit to train.jsonl alone changes nothing
-    --split test scores, and is not refused."""
+    --split test scores, and is not refused. (The run is of --test: a run without it never
+    reads test.jsonl, so its record leaves it out and --split test scores it as it is:
+    tests/test_run_inputs.py.)"""
     import hashlib
 
     from toymlx_cli.eval import main as eval_main
@@ -560,7 +562,7 @@ def test_eval_split_test_refuses_a_test_set_edited_since_the_run(tiny_gguf, tmp_
     data = mlx_lm_folder(tmp_path / "data")
     assert _train(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(tmp_path),
                    "--run-id", "r", "--steps", "1", "--batch-size", "2", "--seq-len", "64",
-                   "--eval-every", "0", "--no-progress", "--no-compile",
+                   "--eval-every", "0", "--no-progress", "--no-compile", "--test",
                    "--data.path", str(data)]) == 0
     test = data / "test.jsonl"
     was = fingerprint(test)

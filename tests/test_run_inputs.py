@@ -273,7 +273,7 @@ def test_a_path_utf8_cannot_hold_is_named_and_a_file_name_inside_is_fingerprinte
                           str(folder), "--run-id", "b"]) == 0
     saved = json.loads((tmp_path / "runs" / "b" / "config.json").read_text())
     assert len(saved["data_files"]["data.path"]["sha256"]) == 64
-    assert sorted(saved["data_files"]["data.path"]["files"]) == SPLITS
+    assert sorted(saved["data_files"]["data.path"]["files"]) == ["train.jsonl", "valid.jsonl"]
     import hashlib
 
     from toymlx.bundle.inputs import fingerprint
@@ -675,27 +675,57 @@ def _final_step(run: Path) -> int:
 SPLITS = ["test.jsonl", "train.jsonl", "valid.jsonl"]
 
 
+READ = ["train.jsonl", "valid.jsonl"]
+"""The split files a run of no --test reads in an mlx-lm folder"""
+
+
+def _names_read(test: bool) -> list[str]:
+    """The split file names a run records as read (`only`), test's with --test: written out
+    here, apart from toymlx's list."""
+    splits = ("train", "valid", "test") if test else ("train", "valid")
+    return [f"{s}{x}" for s in splits for x in (".jsonl", ".json", ".csv", ".tsv")]
+
+
+def _grown(path: Path) -> int:
+    """`path`'s size before a row of 21 bytes is added to it."""
+    was = path.stat().st_size
+    with open(path, "a") as f:
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    return was
+
+
+def _refused_for(capsys, run: Path, name: str, was: int, *flags: str) -> None:
+    """A --resume of `run` is refused naming the split file `name`, grown from `was` bytes."""
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(run), *flags, "--no-progress"]) == 2
+    assert error_line(capsys).endswith(
+        f": {name} changed ({was} -> {was + 21} bytes)); a resumed run trains on its own "
+        "data: restore it, or start a new run on this data")
+
+
 def test_an_mlx_lm_folder_s_record_covers_the_files_the_run_reads(tmp_path, capsys):
     """An mlx-lm data folder's fingerprint covered every file in it, so an edited README.md
-    beside train/valid/test.jsonl (never read) blocked --resume; config.json now records the
-    split files alone (`only`: every name a split file may have), a README.md edit resumes,
-    and a train.jsonl edit is refused naming it."""
-    from toymlx.data.chat import SPLIT_NAMES
-
+    beside train/valid/test.jsonl (never read) blocked --resume; config.json then recorded the
+    split files alone, test.jsonl too, whose edit blocked a run that never reads it (no
+    --test). It now records train's and valid's names (`only`): a README.md or test.jsonl
+    edit resumes (and `toymlx-eval --split test` scores the test.jsonl as it is), and a
+    train.jsonl edit is refused naming it."""
     data = mlx_lm_folder(tmp_path / "data")
     (data / "README.md").write_text("# my data\n")
     run = _stopped_lora_run(tmp_path, data)
     rec = json.loads((run / "config.json").read_text())["data_files"]["data.path"]
-    size, sha = _folder_digest(data, SPLITS)
-    assert (rec["bytes"], rec["sha256"], rec["only"]) == (size, sha, list(SPLIT_NAMES))
-    assert sorted(rec["files"]) == SPLITS
+    size, sha = _folder_digest(data, READ)
+    assert (rec["bytes"], rec["sha256"], rec["only"]) == (size, sha, _names_read(False))
+    assert sorted(rec["files"]) == READ
     (data / "README.md").write_text("# my data, described at length\n")
+    (data / "test.jsonl").write_text(json.dumps({"text": "another test set"}) + "\n")
     assert _cli("train")(["--resume", str(run), "--no-progress"]) == 0
     assert _final_step(run) == 4
-    was = (data / "train.jsonl").stat().st_size
-    with open(data / "train.jsonl", "a") as f:
-        f.write(json.dumps({"text": "one more"}) + "\n")
-    now_size, now_sha = _folder_digest(data, SPLITS)
+    capsys.readouterr()  # never read by the run: toymlx-eval --split test scores it as it is
+    assert _cli("eval")(["--model", str(run), "--split", "test", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == 1
+    was = _grown(data / "train.jsonl")
+    now_size, now_sha = _folder_digest(data, READ)
     capsys.readouterr()
     assert _cli("train")(["--resume", str(run), "--steps", "5", "--no-progress"]) == 2
     assert error_line(capsys) == (
@@ -703,6 +733,39 @@ def test_an_mlx_lm_folder_s_record_covers_the_files_the_run_reads(tmp_path, caps
         f"({size} bytes, sha256 {sha[:12]}), found its size changed ({now_size} bytes, sha256 "
         f"{now_sha[:12]}: train.jsonl changed ({was} -> {was + 21} bytes)); a resumed run "
         "trains on its own data: restore it, or start a new run on this data")
+
+
+def test_a_run_of_test_records_test_jsonl_and_an_older_record_of_it_still_resumes(
+        tmp_path, capsys, monkeypatch):
+    """A run of --test reads test.jsonl at its end: its record covers it, so a test.jsonl edit
+    is refused naming it. A run recorded while every run's record covered test.jsonl (session
+    56: `only` of every split name) reads the same without --test: a test.jsonl edit now
+    resumes it, decided by the records of train.jsonl and valid.jsonl, and a train.jsonl edit
+    is refused naming train.jsonl, not the test.jsonl edited too."""
+    from toymlx.recipes.lora import ChatDataOptions
+
+    tested = mlx_lm_folder(tmp_path / "tested" / "data")
+    base = tiny(tmp_path / "tested" / "smol.gguf", 3)
+    assert _cli("train")(["--recipe", "lora", "--base", str(base), "--data.path", str(tested),
+                          "--runs-root", str(tmp_path / "tested" / "runs"), "--run-id", "r",
+                          *TRAIN[2:], "--steps", "4", "--stop-at", "2", "--test"]) == 0
+    run = tmp_path / "tested" / "runs" / "r"
+    rec = json.loads((run / "config.json").read_text())["data_files"]["data.path"]
+    assert (rec["only"], sorted(rec["files"])) == (_names_read(True), SPLITS)
+    assert (rec["bytes"], rec["sha256"]) == _folder_digest(tested, SPLITS)
+    _refused_for(capsys, run, "test.jsonl", _grown(tested / "test.jsonl"))
+
+    older = mlx_lm_folder(tmp_path / "older" / "data")
+    with monkeypatch.context() as m:  # reads_only as session 56 had it: every split's names
+        m.setattr(ChatDataOptions, "reads_only", staticmethod(
+            lambda path, test: tuple(_names_read(True))))
+        run = _stopped_lora_run(tmp_path / "older", older)
+    rec = json.loads((run / "config.json").read_text())["data_files"]["data.path"]
+    assert (rec["only"], sorted(rec["files"])) == (_names_read(True), SPLITS)
+    (older / "test.jsonl").write_text(json.dumps({"text": "another test set"}) + "\n")
+    assert _cli("train")(["--resume", str(run), "--no-progress"]) == 0
+    assert _final_step(run) == 4
+    _refused_for(capsys, run, "train.jsonl", _grown(older / "train.jsonl"), "--steps", "5")
 
 
 def test_an_older_record_of_every_file_in_the_folder_still_resumes(tmp_path, capsys,
@@ -831,7 +894,6 @@ def test_every_text_recipe_records_an_mlx_lm_folder_s_split_files(tmp_path, reci
     import importlib
 
     from toymlx.bundle.inputs import data_files
-    from toymlx.data.chat import SPLIT_NAMES
 
     data = tmp_path / "data"
     data.mkdir()
@@ -842,7 +904,8 @@ def test_every_text_recipe_records_an_mlx_lm_folder_s_split_files(tmp_path, reci
     cfg = importlib.import_module(f"toymlx.recipes.{recipe}").Config()
     cfg.data.path = str(data)
     rec = data_files(cfg)[0]["data.path"]
-    assert (rec["only"], sorted(rec["files"])) == (list(SPLIT_NAMES), ["train.csv", "valid.jsonl"])
+    assert (rec["only"], sorted(rec["files"])) == (_names_read(False),
+                                                   ["train.csv", "valid.jsonl"])
     assert (rec["bytes"], rec["sha256"]) == _folder_digest(data, ["train.csv", "valid.jsonl"])
     cfg.data.path = str(data / "valid.jsonl")
     rec = data_files(cfg)[0]["data.path"]

@@ -61,9 +61,11 @@ def data_paths(cfg: Any) -> dict[str, str]:
 def data_reads(cfg: Any, key: str, path: str | os.PathLike) -> tuple[str, ...] | None:
     """The files of the data folder `path` the option `key` of `cfg` reads, as `fingerprint`'s
     `only` (its data options' `reads_only`: an ImageFolder's images, an mlx-lm folder's split
-    files); None: all of it."""
+    files, test.jsonl only for a run of --test); None: all of it."""
     reads = getattr(getattr(cfg, "data", None), "reads_only", None)
-    return reads(str(path)) if reads is not None and key.startswith("data.") else None
+    if reads is None or not key.startswith("data."):
+        return None
+    return reads(str(path), bool(getattr(cfg, "test", False)))
 
 
 def _reads(name: str, only: Sequence[str] | None) -> bool:
@@ -143,12 +145,17 @@ def same_data(path: str | os.PathLike, rec: dict[str, Any],
     samples and modification time is taken as unchanged, unread; with another modification
     time (a copy, `cp` without -p) its bytes decide. RunError (one line) where they cannot: a
     record of large data without "sha256" (written before toymlx kept one) whose samples match.
-    `reads`: the files of the folder its run reads (`data_reads`); a record without "only"
-    (written before toymlx recorded which: every file of the folder) that differs is then
-    decided by the records of those files alone (`_same_read_files`)."""
+    `reads`: the files of the folder its run reads (`data_reads`); a record of more than
+    those that differs is then decided by the records of those files alone
+    (`_same_read_files`): one without "only" (written before toymlx recorded which: every file
+    of the folder), or with an `only` the run does not read all of (an mlx-lm folder's
+    test.jsonl, recorded before a run of no --test left it out)."""
     same, now = _same_whole(path, rec)
-    if same or not reads or _recorded_only(rec) is not None or not Path(path).is_dir():
-        return same, now
+    only = _recorded_only(rec)
+    if same or not reads or not Path(path).is_dir() or (
+            only is not None and (set(only) <= set(reads) or not isinstance(rec.get("files"),
+                                                                              dict))):
+        return same, now  # the record covers what the run reads, or no file's own is kept
     return _same_read_files(Path(path), rec, reads, now), now
 
 
@@ -249,15 +256,16 @@ def changed_part(path: str | os.PathLike, rec: dict[str, Any],
     "a/03.png gone", or "train.jsonl changed (100 -> 120 bytes)", the first by name; the
     files' names and sizes first (no file read), then, where they all hold, each file's bytes
     in name order up to the first that differs (each read once); None where the record has no
-    files or none differs. `reads`: as `same_data`'s, the files compared where the record has
-    no "only"."""
+    files or none differs. `reads`: as `same_data`'s, the files compared (of those the
+    record's "only" names, where it has one)."""
     parts = rec.get("files") if isinstance(rec.get("files"), dict) else parts
     if not isinstance(parts, dict) or not Path(path).is_dir():
         return None
     only = _recorded_only(rec)
-    only = only if only is not None else reads
-    parts = {name: part for name, part in parts.items() if _reads(name, only)}
-    now = {_text_name(p.relative_to(path)): p for p in _files(Path(path), only)}
+    parts = {name: part for name, part in parts.items()
+             if _reads(name, only) and _reads(name, reads)}
+    now = {_text_name(p.relative_to(path)): p for p in _files(Path(path), only)
+           if _reads(p.relative_to(path).as_posix(), reads)}
     sizes = {name: p.stat().st_size for name, p in now.items()}
 
     def said(name: str, found: int) -> str:

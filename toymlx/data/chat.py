@@ -721,17 +721,20 @@ FOLDER_FILES = f"{FOLDER_LAYOUT} (mlx-lm's layout; .json, .csv or .tsv in place 
 SPLIT_NAMES = tuple(f"{split}{suffix}" for split in ("train", "valid", "test")
                     for suffix in SPLIT_SUFFIXES)
 """Every name a data folder's split file may have (`data_files`): the files of the folder a run
-reads, so its record of its data covers these alone (not a README.md beside them)."""
+may read, so its record of its data covers these alone (not a README.md beside them)."""
 
 
-def split_files_read(path: str | Path) -> tuple[str, ...] | None:
+def split_files_read(path: str | Path, test: bool) -> tuple[str, ...] | None:
     """The names of the files a run reads in the data folder `path`, as
-    `toymlx.bundle.inputs.fingerprint`'s `only`: an mlx-lm folder's `SPLIT_NAMES`, a folder of
-    text files' `TEXT_SUFFIXES` (`text_folder_files`); None for a single file (all of it)."""
+    `toymlx.bundle.inputs.fingerprint`'s `only`: an mlx-lm folder's `SPLIT_NAMES` (train and
+    valid, and test only where the run scores it, `test`: its --test, so an edited test.jsonl
+    does not block a resume of a run that never reads it), a folder of text files'
+    `TEXT_SUFFIXES` (`text_folder_files`); None for a single file (all of it)."""
     if not Path(path).is_dir():
         return None
-    mlx_lm = any((Path(path) / f"train{suffix}").exists() for suffix in SPLIT_SUFFIXES)
-    return SPLIT_NAMES if mlx_lm else TEXT_SUFFIXES
+    if not any((Path(path) / f"train{suffix}").exists() for suffix in SPLIT_SUFFIXES):
+        return TEXT_SUFFIXES
+    return tuple(n for n in SPLIT_NAMES if test or not n.startswith("test."))
 
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".markdown", ".rst")

@@ -84,10 +84,11 @@ class TextData:
     records the one it takes in config.json, so a resume reads its data as it started."""
 
     @staticmethod
-    def reads_only(path: str) -> tuple[str, ...] | None:
-        """The names of the files read in the data folder `path` (`chat.split_files_read`):
-        what the run's record of its data (config.json's data_files) covers."""
-        return split_files_read(path)
+    def reads_only(path: str, test: bool) -> tuple[str, ...] | None:
+        """The names of the files read in the data folder `path` by a run of --test `test`
+        (`chat.split_files_read`): what the run's record of its data (config.json's
+        data_files) covers."""
+        return split_files_read(path, test)
 
 
 def file_reading(path: Path) -> Literal["records", "text"]:

@@ -158,10 +158,11 @@ class ChatDataOptions:
     chat_feature)."""
 
     @staticmethod
-    def reads_only(path: str) -> tuple[str, ...] | None:
-        """The names of the files read in the data folder `path` (`chat.split_files_read`):
-        what the run's record of its data (config.json's data_files) covers."""
-        return split_files_read(path)
+    def reads_only(path: str, test: bool) -> tuple[str, ...] | None:
+        """The names of the files read in the data folder `path` by a run of --test `test`
+        (`chat.split_files_read`): what the run's record of its data (config.json's
+        data_files) covers."""
+        return split_files_read(path, test)
 
 
 @dataclass

@@ -124,9 +124,10 @@ class ImageData:
     runs (0: in the training thread). Batches are the same either way."""
 
     @staticmethod
-    def reads_only(path: str) -> tuple[str, ...] | None:
+    def reads_only(path: str, test: bool) -> tuple[str, ...] | None:
         """The extensions of the files read in the data folder `path` (`images.files_read`):
-        what the run's record of its data (config.json's data_files) covers."""
+        what the run's record of its data (config.json's data_files) covers. `test` (--test)
+        adds none: the test images are --data.test-path, recorded as their own."""
         return files_read(path)
 
 
