@@ -52,7 +52,8 @@ class Args:
     batch_size: int | None = None
     """Examples per forward pass (a text model's windows: this over 16). Default: on a run's
     own validation split, the run's --batch-size (config.json), so that the batches are those
-    its eval events scored; else 256."""
+    its eval events scored; for a model outside a run on a data folder, 4 (mlx_lm.lora's
+    batch_size: rows of up to 2047 tokens); else 256. The loss is the same at any."""
     eval_batches: int | None = None
     """A run's own validation split (--split val on its data): score its first N batches of
     --batch-size (a text run: N x --batch-size windows spread over the split), as
@@ -255,13 +256,15 @@ def chat_pack(cfg: Any, given: bool | None) -> bool:
 
 class ChatRows(NamedTuple):
     """How a model outside a run builds chat/SFT rows (no run's settings decide them):
-    --seq-len (None: eval's 256), --data.mask-prompt, --data.train-turns, and `said`, the words
-    naming them in eval's line (`own_rows_note`)."""
+    --seq-len (None: eval's 256), --data.mask-prompt, --data.train-turns, `said`, the words
+    naming them in eval's line (`own_rows_note`), and the rows a forward pass takes (its
+    --batch-size: the loss is the same at any, the memory is not)."""
 
     seq_len: int | None
     mask: bool
     turns: str
     said: str
+    batch_size: int
 
 
 def outside_rows(args: Args, model: Any) -> ChatRows:
@@ -270,14 +273,17 @@ def outside_rows(args: Args, model: Any) -> ChatRows:
     2048 tokens, 2047 targets (cut to `model`'s context where shorter, as an explicit --seq-len
     over it is refused), mask_prompt off, and masked the last message alone trained (its
     mask_prompt, `MLX_LM_FIXED`); on a file, eval's own: prompts masked, assistant turns
-    trained. --seq-len and --data.mask-prompt as given win."""
+    trained; rows a pass: mlx-lm's batch_size 4 on a data folder (2047-target rows, 256 a pass,
+    held 64 x 9 x 1632^2 float32 attention probabilities at once: 8 GB of RSS for SmolLM2),
+    eval's 256 on a file. --seq-len, --data.mask-prompt and --batch-size as given win."""
     from toymlx_cli.mlx_lm_config import MLX_LM_DEFAULTS, MLX_LM_FIXED
 
     given = mask_flag(args)
     if not mlx_lm_folder(args, None):
         mask = True if given is None else given
         return ChatRows(args.seq_len, mask, "assistant", "prompts masked, assistant turns "
-                        "trained" if mask else "every token scored (--data.no-mask-prompt)")
+                        "trained" if mask else "every token scored (--data.no-mask-prompt)",
+                        args.batch_size or 256)
     longest = MLX_LM_DEFAULTS["max_seq_length"] - 1
     context = getattr(getattr(model, "args", None), "context", None) or longest
     seq_len = args.seq_len or min(longest, context)
@@ -290,7 +296,7 @@ def outside_rows(args: Args, model: Any) -> ChatRows:
                "every token scored (no --mask-prompt" + (", its default)" if given is None
                                                           else ")")))
     return ChatRows(seq_len, mask, MLX_LM_FIXED["data.train_turns"] if mask else "assistant",
-                    said)
+                    said, args.batch_size or MLX_LM_DEFAULTS["batch_size"])
 
 
 def check_no_pack(args: Args, found: str) -> None:
@@ -730,7 +736,7 @@ def evaluate_chat(args: Args, cfg: Any, rows: RunRows | None = None) -> dict:
     if rows is not None and (pack != chat_pack(cfg, None) or mask not in (None, run_mask)):
         rows = rows._replace(own=False)  # other rows than the run's own
     r = chat_loss(model, tok, cfg, split, args.data_path, own.seq_len if own else args.seq_len,
-                  args.batch_size or 256, first=args.max_examples, progress=bar_name(args),
+                  own.batch_size if own else args.batch_size or 256, first=args.max_examples, progress=bar_name(args),
                   pick=rows, pack=pack, mask=mask, turns=own.turns if own else None)
     # named as the run's events name them (test) and as a text checkpoint's report (val, all)
     names = ("test_loss", "test_perplexity") if split == "test" else ("val_loss", "perplexity")

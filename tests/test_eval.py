@@ -1001,7 +1001,7 @@ def _two_kinds_test_folder(path: Path) -> Path:
 
 @pytest.mark.parametrize("mask", [False, True])
 def test_a_gguf_of_its_own_scores_a_data_folder_as_mlx_lm_lora_test_does(
-        tiny_gguf, tmp_path, capsys, mask):  # noqa: F811
+        tiny_gguf, tmp_path, capsys, monkeypatch, mask):  # noqa: F811
     """`toymlx-eval --model BASE.gguf --data.path FOLDER` on an mlx-lm data folder scored
     --split all (train.jsonl and valid.jsonl), --seq-len 256, prompts masked (every assistant
     turn), with no flag to score every token. An mlx-lm user expects `mlx_lm.lora --test`:
@@ -1040,6 +1040,12 @@ def test_a_gguf_of_its_own_scores_a_data_folder_as_mlx_lm_lora_test_does(
     printed = evaluate(ref, CacheDataset(test), batch_size=4, num_batches=-1,
                        max_seq_length=2048, loss=default_loss)
     capsys.readouterr()
+    import toymlx.data.chat as chat_data
+
+    passes = []  # the rows of each forward pass: mlx-lm's batch_size 4 (256 rows of 2047
+    real = chat_data.sft_val_batches  # tokens a pass held 8 GB of attention for SmolLM2)
+    monkeypatch.setattr(chat_data, "sft_val_batches", lambda *a, **k: [
+        passes.append(b["inputs"].shape[1]) or b for b in real(*a, **k)])
     flags = ["--data.mask-prompt"] if mask else []
     assert eval_main(["--model", str(tiny_gguf), "--data.path", str(folder), "--no-progress",
                       *flags]) == 0
@@ -1047,6 +1053,7 @@ def test_a_gguf_of_its_own_scores_a_data_folder_as_mlx_lm_lora_test_does(
     got = json.loads(out)
     assert (got["split"], got["data"], got["rows"], got["packed"], got["mask_prompt"],
             got["seq_len"]) == ("test", str(folder / "test.jsonl"), 8, False, mask, 256)
+    assert passes == [4, 4]
     assert got["test_loss"] == pytest.approx(theirs, abs=1e-4)
     assert abs(printed - theirs) > 1e-3  # the pad target a row: another figure
     # the tokens scored are mlx-lm's: the last message's alone where masked, else every one
