@@ -35,6 +35,7 @@ import numpy as np
 
 from toymlx.backend.device import on_gpu
 from toymlx.backend.files import counted, not_a_file
+from toymlx.backend.progress import draws_bars
 from toymlx.bundle import model_store
 from toymlx.bundle.folder import read_config, refuse_run_folder
 from toymlx.bundle.inputs import DATA_FILES_KEY
@@ -512,7 +513,7 @@ def build(cfg: Config, ops: Ops) -> Task:
         fine-tune's final checkpoint re-encoded (`write_reencoded` either way)."""
         with GGUFFile(src.path) as g:
             dtype = fuse_type(cfg.fuse_at_end, g)
-        bars = cfg.progress and sys.stderr.isatty()  # as the run's own: none drawn into a log
+        bars = cfg.progress and draws_bars()  # as the run's own: none drawn into a log
         out = check_output(run_dir / f"fused-{dtype}.gguf", [("--base", src.path)],
                            "--fuse-at-end", owns=[run_dir])
         # what the file records of this run, its data's fingerprint as config.json holds it
