@@ -45,6 +45,7 @@ from toymlx.data.chat import SFTData, row_keys, split_files_read
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import (
     CHECKPOINT_FORMAT,
+    GGUF_TARGETS,
     args_from_gguf,
     block_tensors,
     frozen_weights,
@@ -248,7 +249,7 @@ def validate(cfg: Config) -> None:
     if not base.is_file():
         raise ValueError(f"{cfg.base}: --base: expected an existing GGUF file, found "
                          f"{not_a_file(base)}{model_store.hf_name_hint(cfg.base)}")
-    parse_targets(cfg.lora.targets)
+    parse_targets(cfg.lora.targets, GGUF_TARGETS)
     if cfg.fuse_at_end:  # the type is checked now, not after training
         with GGUFFile(base) as g:
             fuse_type(cfg.fuse_at_end, g)
