@@ -284,6 +284,9 @@ def read_config_file(path: str) -> dict[str, Any]:
         what = getattr(e, "strerror", None) or e
         if isinstance(e, UnicodeDecodeError) and e.object[:4] == b"GGUF":  # `-c model.gguf`
             what = "a GGUF model file (a model is --base, --donor or --model)"
+        elif path.isdigit() and not p.exists():  # llama.cpp's `-c 4096`
+            what = (f"{what} (llama.cpp's -c is its context size; here -c names a config file: "
+                    "--seq-len sets a row's tokens, and generation reads the model's context)")
         raise ConfigFileError(f"{p}: -c/--config: expected a readable UTF-8 YAML or JSON file, "
                               f"found {what}") from None
     if p.suffix.lower() == ".py":  # as YAML, `block_size = 256` lines read as one string

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 from toymlx_cli import run_command
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
+from toymlx.backend.progress import draws_bars
 from toymlx.backend.stop import SIGNALS, stops_raise
 from toymlx.bundle.outputs import check_output
 from toymlx.gguf.quantize import ExportType
@@ -135,7 +136,7 @@ def export_modelfile(args: Args) -> int:
     t0 = time.perf_counter()
     path, base, adapter, fused = write_modelfile(args.out, args.adapter, args.base,
                                                  fuse=args.fuse, dtype=args.dtype,
-                                                 progress=sys.stderr.isatty(),
+                                                 progress=draws_bars(),
                                                  overwrite=args.overwrite)
     what = f"FROM {base.path}, ADAPTER {adapter}"
     if fused:
@@ -193,11 +194,11 @@ def export_mlx_lm(args: Args) -> int:
                 shutil.copyfileobj(f, dst)
             what = f"mlx-lm adapter {args.adapter}, as llama.cpp's LoRA adapter for {args.base}"
         elif args.dtype:
-            write_merged(out, base, gguf, args.dtype, progress=sys.stderr.isatty())
+            write_merged(out, base, gguf, args.dtype, progress=draws_bars())
             what = (f"{args.base} + mlx-lm adapter {args.adapter} (fused) in {args.dtype}; it "
                     + kept_note(adapter_retention(out, base, gguf), args.dtype))
         else:
-            kept = write_fused_kept(out, base, gguf, progress=sys.stderr.isatty())
+            kept = write_fused_kept(out, base, gguf, progress=draws_bars())
             what = f"{args.base} + mlx-lm adapter {args.adapter} (fused): {kept.summary()}"
     print(f"{PROG}: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) from {what} in "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -281,7 +282,7 @@ def run(args: Args) -> int:
                 shutil.copyfileobj(f, dst)
             what = f"adapter {src}"
         elif args.exact_size:
-            _, share = write_fused_exact(out, base, args.adapter, progress=sys.stderr.isatty())
+            _, share = write_fused_exact(out, base, args.adapter, progress=draws_bars())
             what = (f"{base_spec} + adapter {args.adapter} (fused in the base's own types, "
                     f"rounded on the run's activations); it keeps {share:.0%} of the adapter's "
                     f"change on those activations, {adapter_kept(out, base, args.adapter):.0%} "
@@ -291,15 +292,15 @@ def run(args: Args) -> int:
                         if share < KEPT_WARNING else ""))
         elif args.adapter and not args.dtype:
             # the file records the run's data settings: toymlx-eval rebuilds its rows
-            kept = write_fused_kept(out, base, args.adapter, progress=sys.stderr.isatty(),
+            kept = write_fused_kept(out, base, args.adapter, progress=draws_bars(),
                                     run_data=fused_run_data(args.adapter))
             what = f"{base_spec} + adapter {args.adapter} (fused): {kept.summary()}"
         elif not args.dtype and (trained_from := fine_tune_base(base_spec)) is not None:
-            kept = write_full_kept(out, trained_from, base, progress=sys.stderr.isatty(),
+            kept = write_full_kept(out, trained_from, base, progress=draws_bars(),
                                    run_data=fused_run_data(base, "--base"))
             what = f"{base_spec} (a full fine-tune of {trained_from}): {kept.summary()}"
         else:
-            write_merged(out, base, args.adapter, args.dtype, progress=sys.stderr.isatty())
+            write_merged(out, base, args.adapter, args.dtype, progress=draws_bars())
             what = f"{base_spec}" + (f" + adapter {args.adapter} (fused)" if args.adapter else "")
             if args.adapter:
                 what += (f" in {args.dtype}; it "

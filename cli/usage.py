@@ -214,9 +214,27 @@ LLAMA_CPP_FLAGS: PeerFlags = {
     "-n": (("max_tokens", "did you mean --max-tokens?"),),
     "--n-predict": (("max_tokens", "did you mean --max-tokens?"),),
     "-s": (("seed", "did you mean --seed?"),),
+    "--lora": (("adapter", "llama.cpp's --lora FILE is --adapter FILE here (or the run's folder)"),
+               ("model", ("llama.cpp's --lora FILE: here --model takes the LoRA run's folder "
+                          "(its base and adapter), or a fused GGUF")),
+               ("lora.init_adapter", ("llama.cpp's --lora FILE is --lora.init-adapter FILE here "
+                                      "(the run's adapters start from it)"))),
+    **dict.fromkeys(("-ngl", "--n-gpu-layers", "--gpu-layers"), (
+        ("device", ("llama.cpp's -ngl is --device gpu here (the whole model on MLX's GPU; "
+                    "--device cpu: none of it)")),)),
+    **dict.fromkeys(("-cnv", "--conversation"), (("chat", "llama.cpp's -cnv is --chat here"),)),
+    **dict.fromkeys(("-sys", "--system-prompt"), (
+        ("system", "llama.cpp's -sys is --system here"),)),
+    "--ctx-size": (("context_shift", ("llama.cpp's --ctx-size has no counterpart here: the "
+                                      "model's own context is read (a from-scratch run's "
+                                      "--seq-len), the text shifted past it "
+                                      "(--no-context-shift stops there)")),
+                   ("seq_len", "llama.cpp's --ctx-size is --seq-len here")),
+    **dict.fromkeys(("-f", "--file"), (("prompt", "llama.cpp's -f FILE is --prompt - < FILE here"),)),
 }
-"""llama.cpp's short flags (llama-cli, llama-completion); -m, which mlx_lm.generate spells for
---max-tokens, is both where the command has both."""
+"""llama.cpp's flags (llama-cli, llama-completion, llama-perplexity) as its users type them; -m,
+which mlx_lm.generate spells for --max-tokens, is both where the command has both; --lora is
+the adapter, or the run folder where a command takes the adapter with its base."""
 
 NANOGPT_FLAGS: PeerFlags = {
     "max_iters": (("steps", "nanoGPT's max_iters is toymlx's --steps"),),

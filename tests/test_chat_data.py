@@ -387,7 +387,8 @@ def test_messages_errors_name_the_example():
     # A generation prompt that is not what an assistant turn starts with cannot be located.
     odd = CHATML.replace("{% if add_generation_prompt %}<|im_start|>assistant",
                          "{% if add_generation_prompt %}<|im_start|>bot")
-    with pytest.raises(DataError, match=r"^d\.jsonl:4: .*inconsistently.*mask_prompt=False"):
+    with pytest.raises(DataError,
+                       match=r"^d\.jsonl:4: .*inconsistently.*set --data\.no-mask-prompt to"):
         tokenize_example(Example("d.jsonl:4", messages=msgs), FakeTokenizer(odd), True)
     ids, mask = tokenize_example(Example("d.jsonl:4", messages=msgs), FakeTokenizer(odd), False)
     assert sum(mask) == len(ids)
@@ -645,8 +646,12 @@ def test_sft_data_from_file(tmp_path):
     packed = SFTData.from_file(path, tok, seq_len=8, pack=True, val_fraction=0.2)
     assert packed.n_truncated == 0 and packed.train["mask"].sum() == sum(i + 2 for i in range(8))
     hopeless = write(tmp_path, "long.jsonl", json.dumps({"prompt": "p" * 20, "completion": "c"}))
-    with pytest.raises(DataError, match=r"long\.jsonl: no training example has a trained token"):
+    with pytest.raises(DataError) as e:
         SFTData.from_file(hopeless, tok, seq_len=8, val_fraction=0.0)
+    # the fixes named as the command line takes them (not the Python field mask_prompt=False)
+    assert str(e.value) == (f"{hopeless}: no training example has a trained token within its "
+                            "first 9 tokens (--seq-len 8 + 1); raise --seq-len, shorten the "
+                            "prompts, or set --data.no-mask-prompt")
 
 
 def test_rows_cut_or_dropped_at_seq_len_are_said_per_split(tmp_path):
@@ -688,7 +693,7 @@ def test_messages_with_no_assistant_turn_are_named_as_such(tmp_path):
         SFTData.from_file(path, tok, seq_len=64, val_fraction=0.0)
     assert str(e.value) == (f"{path}: no training example has a trained token: no assistant "
                             "turn (messages) or completion to train; add one, or set "
-                            "mask_prompt=False")
+                            "--data.no-mask-prompt")
     answered = json.dumps({"messages": [{"role": "user", "content": "hi"},
                                         {"role": "assistant", "content": "yo"}]})
     write(tmp_path, "chat.jsonl", f"{answered}\n{row}")

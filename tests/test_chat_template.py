@@ -542,8 +542,8 @@ def test_a_last_turn_with_reasoning_trains_it_where_the_template_writes_it(
     example = Example("d.jsonl:1", messages=tuple(chat))
     if name in (R1_QWEN, R1_LLAMA):
         for turns in ("assistant", "last"):
-            with pytest.raises(DataError, match=unwritten(3) + r"or set mask_prompt=False to "
-                                                r"train on the whole conversation as the "
+            with pytest.raises(DataError, match=unwritten(3) + r"or set --data\.no-mask-prompt "
+                                                r"to train on the whole conversation as the "
                                                 r"template renders it$"):
                 trained_texts(tok, example, turns)
         assert fitted_rows([example], tok, 512, False)[1].thoughts == 1
@@ -898,8 +898,8 @@ def test_gemma4_thought_in_the_last_answer_is_refused_in_an_earlier_one_not_trai
 
     tok = TextTokenizer(template_text(llamacpp_source, name))
     thought = {**ANSWER1, "content": "<|channel>thought\nLists hold items.<channel|>A sequence."}
-    last_only = r"or set mask_prompt=False to train on the whole conversation as the template " \
-                r"renders it$"
+    last_only = r"or set --data\.no-mask-prompt to train on the whole conversation as the " \
+                r"template renders it$"
     for turns in TURNS:
         with pytest.raises(DataError, match=unwritten(4) + last_only):
             trained_texts(tok, Example("d.jsonl:1", messages=(*CHAT[:3], USER2, thought)), turns)

@@ -134,6 +134,13 @@ def test_missing_file_and_resume_with_config(tmp_path, capsys):
     assert error_line(capsys) == (f"toymlx-train: error: {tmp_path / 'nope.yaml'}: -c/--config: "
                                   "expected a readable UTF-8 YAML or JSON file, found No such "
                                   "file or directory")
+    # llama.cpp's -c 4096, its context size: what -c is here, and what sets the context
+    assert main(["--recipe", "lora", "-c", "4096"]) == 2
+    assert error_line(capsys) == ("toymlx-train: error: 4096: -c/--config: expected a readable "
+                                  "UTF-8 YAML or JSON file, found No such file or directory "
+                                  "(llama.cpp's -c is its context size; here -c names a config "
+                                  "file: --seq-len sets a row's tokens, and generation reads the "
+                                  "model's context)")
     (tmp_path / "c.yaml").write_text("lr: 1.0\n")
     assert main(["--resume", str(tmp_path), "-c", str(tmp_path / "c.yaml")]) == 2
     assert "a resumed run keeps its saved configuration" in error_line(capsys)

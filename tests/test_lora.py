@@ -135,6 +135,26 @@ def test_hugging_face_s_target_modules_are_named_as_toymlx_s(targets, said):
         f"--lora.targets {said})")
 
 
+@pytest.mark.parametrize("targets,said", [
+    ("attn_q,attn_v", "q,v"),
+    ("attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down", "q,k,v,o,gate,up,down"),
+    ("attn_qkv,o,ffn_gate_inp,ffn_down_exps", "qkv,o,router,down"),  # toymlx's among them
+])
+def test_llama_cpp_s_tensor_names_are_named_as_toymlx_s(tiny_gguf, tmp_path, capsys, targets,
+                                                        said):
+    """A llama.cpp user names what to adapt as llama.cpp's adapters do (blk.N.attn_q): the
+    one line says the same list in toymlx's names (before: "found unknown target 'attn_q'"
+    alone), before the base is loaded and no run folder made."""
+    assert _train(["--recipe", "lora", "--base", str(tiny_gguf), "--lora.targets", targets,
+                   "--runs-root", str(tmp_path), "--run-id", "t"]) == 2
+    assert error_line(capsys) == (
+        "toymlx-train: error: --lora.targets: expected a comma list of q, k, v, qkv, o, gate, "
+        "up, gate_up, down, z, beta, alpha, out, router, ple_gate, ple_proj, all-linear or "
+        f"mlx-lm-default; found unknown target {targets.split(',')[0]!r} (llama.cpp's tensor "
+        f"names; toymlx's are --lora.targets {said})")
+    assert not (tmp_path / "t").exists()
+
+
 def test_all_linear_is_every_projection_the_base_s_blocks_have(tiny_gguf):
     """--lora.targets all-linear (PEFT's target_modules, mlx-lm's default without keys) resolved
     against the base: a dense llama's seven projections, phi3's fused four, qwen35's full- and

@@ -29,6 +29,13 @@ def only_line(capsys) -> str:
                         "mean --steps?")),
     (["--rank", "4"], (f"--rank: expected an option of {LORA}, got an unknown one; did you mean "
                        "--lora.rank?")),
+    # llama.cpp's --lora (before: "did you mean --lr?") and -ngl, --ctx-size
+    (["--lora", "a.gguf", "-ngl", "99", "--ctx-size", "512"],
+     (f"--lora: expected an option of {LORA}, got an unknown one; llama.cpp's --lora FILE is "
+      f"--lora.init-adapter FILE here (the run's adapters start from it); -ngl: expected an "
+      f"option of {LORA}, got an unknown one; llama.cpp's -ngl is --device gpu here (the whole "
+      f"model on MLX's GPU; --device cpu: none of it); --ctx-size: expected an option of "
+      f"{LORA}, got an unknown one; llama.cpp's --ctx-size is --seq-len here")),
     (["--stpes=3", "--lrr", "1"], (f"--stpes: expected an option of {LORA}, got an unknown one; "
                                    f"did you mean --steps?; --lrr: expected an option of {LORA}, "
                                    "got an unknown one; did you mean --lr?")),
@@ -431,6 +438,29 @@ def test_a_peer_flag_another_recipe_takes_is_not_matched_by_spelling(capsys, tmp
     ("generate", ["--model", "m", "--n-predict", "3"],
      ("toymlx-generate: error: --n-predict: expected an option of toymlx-generate, got an "
       "unknown one; did you mean --max-tokens?")),
+    # llama.cpp's flags for an adapter, the GPU, a conversation, the context: toymlx's named
+    ("generate", ["--model", "b.gguf", "--lora", "a.gguf", "-ngl", "99", "-cnv", "-sys", "hi"],
+     ("toymlx-generate: error: --lora: expected an option of toymlx-generate, got an unknown "
+      "one; llama.cpp's --lora FILE is --adapter FILE here (or the run's folder); -ngl: "
+      "expected an option of toymlx-generate, got an unknown one; llama.cpp's -ngl is --device "
+      "gpu here (the whole model on MLX's GPU; --device cpu: none of it); -cnv: expected an "
+      "option of toymlx-generate, got an unknown one; llama.cpp's -cnv is --chat here; -sys: "
+      "expected an option of toymlx-generate, got an unknown one; llama.cpp's -sys is --system "
+      "here")),
+    ("generate", ["--model", "m", "--ctx-size", "512", "-f", "p.txt"],
+     ("toymlx-generate: error: --ctx-size: expected an option of toymlx-generate, got an "
+      "unknown one; llama.cpp's --ctx-size has no counterpart here: the model's own context is "
+      "read (a from-scratch run's --seq-len), the text shifted past it (--no-context-shift "
+      "stops there); -f: expected an option of toymlx-generate, got an unknown one; "
+      "llama.cpp's -f FILE is --prompt - < FILE here")),
+    ("eval", ["--model", "b.gguf", "--lora", "a.gguf", "--ctx-size", "128"],
+     ("toymlx-eval: error: --lora: expected an option of toymlx-eval, got an unknown one; "
+      "llama.cpp's --lora FILE: here --model takes the LoRA run's folder (its base and "
+      "adapter), or a fused GGUF; --ctx-size: expected an option of toymlx-eval, got an "
+      "unknown one; llama.cpp's --ctx-size is --seq-len here")),
+    ("export", ["--base", "b.gguf", "--lora", "a.gguf", "--out", "f.gguf"],
+     ("toymlx-export: error: --lora: expected an option of toymlx-export, got an unknown one; "
+      "llama.cpp's --lora FILE is --adapter FILE here (or the run's folder)")),
     # nanoGPT's sample.py settings
     ("generate", ["--out_dir=runs/lm", "--start=hi", "--max_new_tokens=5"],
      ("toymlx-generate: error: --out_dir: expected an option of toymlx-generate, got an unknown "

@@ -985,7 +985,8 @@ def _message_pieces(
         if not full.startswith(before):
             raise DataError(f"{source}: chat template renders message prefixes inconsistently, "
                             f"so the last message messages[{len(messages) - 1}] cannot be "
-                            f"located; set mask_prompt=False to train on the whole conversation")
+                            f"located; set --data.no-mask-prompt to train on the whole "
+                            f"conversation")
         spans.append((len(before), len(full)))
     else:
         last = turns == "last"
@@ -1043,8 +1044,8 @@ def _turn_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: 
                         f"4's strips <|channel>...<channel|> thoughts from every answer, "
                         f"DeepSeek-R1's <think> reasoning), so the turn cannot be trained as "
                         f"written; remove that part of the content, {last}or set "
-                        f"mask_prompt=False to train on the whole conversation as the template "
-                        f"renders it")
+                        f"--data.no-mask-prompt to train on the whole conversation as the "
+                        f"template renders it")
     if span is None:
         fix = "" if final else (
             "the template writes it one way as the last turn and another once a message "
@@ -1054,7 +1055,7 @@ def _turn_span(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], i: 
             "into one example per assistant turn, or ")
         raise DataError(f"{source}: chat template renders message prefixes inconsistently, so "
                         f"assistant turn messages[{i}] cannot be located; {fix}set "
-                        f"mask_prompt=False to train on the whole conversation")
+                        f"--data.no-mask-prompt to train on the whole conversation")
     return span
 
 
@@ -1781,10 +1782,10 @@ class SFTData:
             if fit.untrained == fit.examples:
                 raise DataError(f"{source}: no training example has a trained token: no "
                                 f"assistant turn (messages) or completion to train; add one, "
-                                f"or set mask_prompt=False")
+                                f"or set --data.no-mask-prompt")
             raise DataError(f"{source}: no training example has a trained token within its "
-                            f"first seq_len+1 = {seq_len + 1} tokens; raise seq_len, shorten "
-                            f"prompts, or set mask_prompt=False")
+                            f"first {seq_len + 1} tokens (--seq-len {seq_len} + 1); raise "
+                            f"--seq-len, shorten the prompts, or set --data.no-mask-prompt")
         val_rows, val_fit = fitted_rows(val, tokenizer, seq_len, mask_prompt, pack, turns,
                                         "validation" if progress else None)
         return cls(rows, val_rows, source, fit.truncated, pack=pack,

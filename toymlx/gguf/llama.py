@@ -42,6 +42,7 @@ from toymlx.models.layers import (
     submodule,
 )
 from toymlx.models.llama import Llama, LlamaArgs
+from toymlx.models.lora import TARGET_OF
 from toymlx.models.moe import BlockExperts
 from toymlx.models.ops import DTYPES, EXACT, Ops
 
@@ -187,6 +188,9 @@ _BLOCK = {"attn_norm": "attn_norm", "attn_q": "attn.q_proj", "attn_k": "attn.k_p
           "ssm_alpha": "attn.alpha_proj", "ssm_out": "attn.out_proj", "ssm_norm": "attn.norm",
           "ssm_conv1d": "attn.conv1d"}
 _BLOCK_INV = {v: k for k, v in _BLOCK.items()} | {"mlp.gate_up_proj": "ffn_up"}
+GGUF_TARGETS = {name: TARGET_OF[path] for name, path in _BLOCK.items() if path in TARGET_OF}
+"""A block tensor's name in a GGUF (`attn_q`, `ffn_down_exps`), as llama.cpp's adapters name
+what they adapt, -> its --lora.targets name (`parse_targets` says a list of them in toymlx's)."""
 _BLOCK_ODD = {"ssm_a": "attn.ssm_a", "ssm_dt.bias": "attn.dt_bias"}
 """qwen35's block tensors whose names are not `<tensor>.weight` or `.bias` of a module."""
 _BLOCK_ODD_INV = {v: k for k, v in _BLOCK_ODD.items()}

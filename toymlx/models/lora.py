@@ -14,7 +14,7 @@ format is `toymlx.training.adapter`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import mlx.core as mx
 from mlx import nn
@@ -220,9 +220,12 @@ ADAPTER_KINDS: dict[str, type[LoRALinear]] = {"lora": LoRALinear, "dora": DoRALi
 
 
 # ---- applying, listing and fusing -------------------------------------------------------
-def parse_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
+def parse_targets(targets: str | Sequence[str],
+                  gguf_names: Mapping[str, str] | None = None) -> tuple[str, ...]:
     """Short target names from "q,k,v" or a sequence, `ALL_LINEAR` and `MLX_LM_DEFAULT` kept as
-    given (`resolve_targets` expands them against a base); ValueError names --lora.targets."""
+    given (`resolve_targets` expands them against a base); ValueError names --lora.targets, and
+    the same list in toymlx's names where it is Hugging Face's or, given `gguf_names` (a GGUF
+    block tensor's name -> its target: `toymlx.gguf.llama.GGUF_TARGETS`), llama.cpp's."""
     items = targets.split(",") if isinstance(targets, str) else list(targets)
     names = [t.strip() for t in items if t.strip()]
     allowed = ", ".join(TARGETS) + f", {ALL_LINEAR} or {MLX_LM_DEFAULT}"
@@ -231,11 +234,12 @@ def parse_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
                          f"{targets!r}")
     bad = [t for t in names if t not in TARGETS and t not in (ALL_LINEAR, MLX_LM_DEFAULT)]
     if bad:
-        said = hf_targets(names)
+        whose, said = "Hugging Face's names", hf_targets(names)
+        if said is None and gguf_names:
+            whose, said = "llama.cpp's tensor names", toymlx_targets(names, gguf_names)
         raise ValueError(f"--lora.targets: expected a comma list of {allowed}; found "
                          f"unknown target {bad[0]!r}"
-                         + (f" (Hugging Face's names; toymlx's are --lora.targets {said})" if said
-                            else ""))
+                         + (f" ({whose}; toymlx's are --lora.targets {said})" if said else ""))
     return tuple(dict.fromkeys(names))
 
 
@@ -360,11 +364,17 @@ def hf_targets(names: Sequence[str]) -> str | None:
     """PEFT's (Unsloth's, mlx-lm's) target_modules as --lora.targets names: `q_proj` or
     `self_attn.q_proj` ("q"; all-linear is toymlx's too); None where a name is neither toymlx's
     nor Hugging Face's."""
-    hf = {**HF_TARGETS, **{path.rpartition(".")[2]: t for path, t in HF_TARGETS.items()}}
+    return toymlx_targets(names, {**HF_TARGETS, **{path.rpartition(".")[2]: t
+                                                   for path, t in HF_TARGETS.items()}})
+
+
+def toymlx_targets(names: Sequence[str], other: Mapping[str, str]) -> str | None:
+    """`names` in another tool's words (`other`: its name -> toymlx's) as --lora.targets names,
+    toymlx's own kept; None where a name is neither."""
     out: list[str] = []
     for n in names:
-        if n in TARGETS or n == ALL_LINEAR or n in hf:
-            out.append(hf.get(n, n))
+        if n in TARGETS or n == ALL_LINEAR or n in other:
+            out.append(other.get(n, n))
         else:
             return None
     return ",".join(dict.fromkeys(out))

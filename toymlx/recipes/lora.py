@@ -35,6 +35,7 @@ import numpy as np
 
 from toymlx.backend.device import on_gpu
 from toymlx.backend.files import counted, not_a_file
+from toymlx.backend.progress import draws_bars
 from toymlx.bundle import model_store
 from toymlx.bundle.folder import read_config, refuse_run_folder
 from toymlx.bundle.inputs import DATA_FILES_KEY
@@ -44,6 +45,7 @@ from toymlx.data.chat import SFTData, row_keys, split_files_read
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import (
     CHECKPOINT_FORMAT,
+    GGUF_TARGETS,
     args_from_gguf,
     block_tensors,
     frozen_weights,
@@ -248,7 +250,7 @@ def validate(cfg: Config) -> None:
     if not base.is_file():
         raise ValueError(f"{cfg.base}: --base: expected an existing GGUF file, found "
                          f"{not_a_file(base)}{model_store.hf_name_hint(cfg.base)}")
-    parse_targets(cfg.lora.targets)
+    parse_targets(cfg.lora.targets, GGUF_TARGETS)
     if cfg.fuse_at_end:  # the type is checked now, not after training
         with GGUFFile(base) as g:
             fuse_type(cfg.fuse_at_end, g)
@@ -513,7 +515,7 @@ def build(cfg: Config, ops: Ops) -> Task:
         fine-tune's final checkpoint re-encoded (`write_reencoded` either way)."""
         with GGUFFile(src.path) as g:
             dtype = fuse_type(cfg.fuse_at_end, g)
-        bars = cfg.progress and sys.stderr.isatty()  # as the run's own: none drawn into a log
+        bars = cfg.progress and draws_bars()  # as the run's own: none drawn into a log
         out = check_output(run_dir / f"fused-{dtype}.gguf", [("--base", src.path)],
                            "--fuse-at-end", owns=[run_dir])
         # what the file records of this run, its data's fingerprint as config.json holds it

@@ -33,6 +33,7 @@ from toymlx.backend import device
 from toymlx.backend.atomic import discard, fsync_dir
 from toymlx.backend.device import backend_info
 from toymlx.backend.files import counted
+from toymlx.backend.progress import draws_bars
 from toymlx.backend.stop import (
     RANK_SIGNALS,
     READER_GONE,
@@ -736,9 +737,9 @@ class _Loop:
             print(line, flush=True)
 
     def _progress(self) -> Any:
-        # The bar is drawn on stderr: only where that is a terminal (a log file or a pipe
-        # gets the report lines alone).
-        if not (self.rank0 and self.cfg.progress and sys.stderr.isatty()):
+        # The bar is drawn on stderr: only where that is a terminal that draws it (a log file
+        # or a pipe gets the report lines alone, and a slow step's own line).
+        if not (self.rank0 and self.cfg.progress and draws_bars()):
             return contextlib.nullcontext(None)
         return tqdm(total=self.cfg.steps, initial=self.start, desc=self.task.recipe, unit="step",
                     dynamic_ncols=True, file=sys.stderr)
