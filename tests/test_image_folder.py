@@ -25,7 +25,7 @@ from toymlx.data.images import Augment, Prefetcher, load_images
 
 def test_scan_and_decode_against_pillow(tmp_path):
     root = make_image_folder(tmp_path / "f", per_class=4)
-    files, labels, names = scan_image_folder(root)
+    files, labels, names, _ = scan_image_folder(root)
     assert names == list(CLASSES) and labels.tolist() == [0] * 4 + [1] * 4 + [2] * 4
     assert [f.parent.name for f in files] == [CLASSES[k] for k in labels]
     # A 9x20 RGB image at size 8: shorter side 9 -> 8 (width 18 by rounding), centre 8x8 crop.
@@ -99,6 +99,38 @@ def test_images_in_no_class_folder_are_named_not_dropped_without_a_word(tmp_path
         (root / name).unlink()
     assert load_images(str(root), image_size=8).notes == []
 
+
+
+def test_files_in_class_folders_not_named_as_images_are_counted_in_one_line(tmp_path, capsys):
+    """An iPhone's .heic photos, a Windows .jfif download, a Thumbs.db or a notes.txt in a
+    class folder are not read: they were left out without a word, so a class of .heic photos
+    trained on what remained of it (and toymlx-classify of a folder answered for the others
+    alone). One line counts them by extension and names the first; hidden names (.DS_Store)
+    still say nothing."""
+    from toymlx.generation.classify import image_files
+
+    root = make_image_folder(tmp_path / "f", per_class=3)
+    for name in ("bird/photo.HEIC", "bird/b.heic", "cat/Thumbs.db", "cat/scan.jfif",
+                 "frog/README", "frog/.DS_Store"):
+        (root / name).write_bytes(b"\x00")
+    d = load_images(str(root), image_size=8)
+    assert len(d.train_y) + len(d.val_y) == 9
+    assert d.notes == [
+        (f"{root}: 5 files not read, not named as images (*.png, *.jpg, *.jpeg, ...): 2 .heic, "
+        "1 .db, 1 .jfif, 1 no extension (bird/b.heic, bird/photo.HEIC, cat/Thumbs.db and 2 "
+        "more); convert or rename any image among them to a format read")]
+    capsys.readouterr()
+    assert len(image_files([root / "bird", root / "frog"])) == 6
+    assert capsys.readouterr().err == (
+        f"toymlx: {root / 'bird'}: 2 files not read, not named as images (*.png, *.jpg, "
+        "*.jpeg, ...): 2 .heic (b.heic, photo.HEIC); convert or rename any image among them "
+        f"to a format read\ntoymlx: {root / 'frog'}: 1 file not read, not named as images "
+        "(*.png, *.jpg, *.jpeg, ...): 1 no extension (README); convert or rename any image "
+        "among them to a format read\n")
+    for name in ("bird/photo.HEIC", "bird/b.heic", "cat/Thumbs.db", "cat/scan.jfif",
+                 "frog/README"):
+        (root / name).unlink()
+    assert load_images(str(root), image_size=8).notes == []
 
 def test_a_palette_of_greys_is_grey(tmp_path):
     """GIFs (and palette PNGs) of grey digits are mode P with a palette of greys: counted as
@@ -430,7 +462,7 @@ def test_linked_subfolders_are_read_and_a_dangling_link_is_named(tmp_path):
     elsewhere = make_image_folder(tmp_path / "more", per_class=2, seed=2)
     (root / "cat" / "more").symlink_to(elsewhere / "cat")
     (root / "cat" / "loop").symlink_to(root / "cat")  # a link back up: read once
-    files, labels, _ = scan_image_folder(root)
+    files, labels, _, _ = scan_image_folder(root)
     assert np.bincount(labels).tolist() == [3, 5, 3]
     assert sum(f.parent.name == "more" for f in files) == 2
     # a link up to the folder holding the classes read them all as cat's, without a word
@@ -487,7 +519,7 @@ def test_every_unreadable_image_is_named_in_one_line(tmp_path):
     the next); one line names the first three, in file order, and counts the rest, at load
     (a set decoded into memory, or a streamed set's headers) and in a streamed batch."""
     root = make_image_folder(tmp_path / "f", per_class=6)
-    files, _, _ = scan_image_folder(root)
+    files, _, _, _ = scan_image_folder(root)
     pngs = [f for f in files if f.suffix == ".png"]
     for f in pngs[:5]:  # the header whole, the pixels cut
         f.write_bytes(f.read_bytes()[:60])

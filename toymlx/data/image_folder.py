@@ -23,7 +23,14 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from toymlx.backend.files import IMAGE_MAGIC, names_below, not_utf8, special_kind
+from toymlx.backend.files import (
+    IMAGE_MAGIC,
+    counted,
+    names_below,
+    not_utf8,
+    shortlist,
+    special_kind,
+)
 from toymlx.data.text import DataError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm",
@@ -185,17 +192,28 @@ def decode_image(path: str | Path | ImageBytes, size: int, channels: int) -> np.
 
 
 def images_below(folder: Path) -> list[Path]:
-    """The image files below `folder` (by extension; hidden names skipped), sorted, as
-    `names_below` walks it (through linked subfolders, as torchvision's ImageFolder does);
-    ImageDataError naming one that is a FIFO, a device or a socket (opening it could wait
-    forever) or a link to nothing: skipping either would drop an image without a word."""
-    found = []
+    """The image files below `folder` (`files_below`'s first list)."""
+    return files_below(folder)[0]
+
+
+def files_below(folder: Path) -> tuple[list[Path], list[Path]]:
+    """(the image files below `folder` (by extension), the other files), hidden names skipped
+    in both, sorted, as `names_below` walks it (through linked subfolders, as torchvision's
+    ImageFolder does); ImageDataError naming an image name that is a FIFO, a device or a
+    socket (opening it could wait forever) or a link to nothing: skipping either would drop an
+    image without a word. The other files (a notes.txt, a Thumbs.db, an iPhone's .heic, a
+    Windows .jfif) are for the caller to name: they are not read."""
+    found, others = [], []
     try:
         below = list(names_below(folder))
     except ValueError as e:  # a link back up the tree
         raise ImageDataError(str(e)) from None
     for p in below:
-        if p.suffix.lower() not in IMAGE_EXTENSIONS or p.name.startswith("."):
+        if p.name.startswith("."):
+            continue
+        if p.suffix.lower() not in IMAGE_EXTENSIONS:
+            if p.is_file():
+                others.append(p)
             continue
         if kind := special_kind(p):
             raise ImageDataError(f"{p}: expected an image file, found {kind}; remove it or "
@@ -206,7 +224,24 @@ def images_below(folder: Path) -> list[Path]:
                                  "target or remove the link")
         if p.is_file():
             found.append(p)
-    return sorted(found)
+    return sorted(found), sorted(others)
+
+
+def not_read_note(root: Path, others: Sequence[Path]) -> str | None:
+    """One line naming the files in `root`'s folders that are not read, their names not an
+    image's (`files_below`'s second list), counted by extension; None for none. Left out
+    without a word, a class of .heic photos or .jfif downloads trained on what remained."""
+    if not others:
+        return None
+    by_ext: dict[str, int] = {}
+    for f in others:
+        ext = f.suffix.lower() or "no extension"
+        by_ext[ext] = by_ext.get(ext, 0) + 1
+    kinds = ", ".join(f"{n} {ext}" for ext, n in sorted(by_ext.items(), key=lambda e: -e[1]))
+    names = shortlist([str(f.relative_to(root)) for f in others], 3)
+    return (f"{root}: {counted(len(others), 'file')} not read, not named as images "
+            f"(*{', *'.join(IMAGE_EXTENSIONS[:3])}, ...): {kinds} ({names}); convert or rename "
+            "any image among them to a format read")
 
 
 def subfolders(root: Path) -> list[Path]:
@@ -256,9 +291,10 @@ def split_folders(root: str | Path) -> dict[str, Path] | None:
 
 
 def scan_image_folder(root: str | Path, min_classes: int = 2
-                      ) -> tuple[list[Path], np.ndarray, list[str]]:
-    """(files, labels, class names) of an ImageFolder tree, in sorted order; a training set
-    needs two classes, a validation or test set (`min_classes=1`) one."""
+                      ) -> tuple[list[Path], np.ndarray, list[str], list[Path]]:
+    """(files, labels, class names, the other files not read) of an ImageFolder tree, in
+    sorted order (`files_below`); a training set needs two classes, a validation or test set
+    (`min_classes=1`) one."""
     root = Path(root)
     classes = [d.name for d in subfolders(root)]
     if not classes:
@@ -271,8 +307,10 @@ def scan_image_folder(root: str | Path, min_classes: int = 2
                                  "rename it")
     files: list[Path] = []
     labels: list[int] = []
+    others: list[Path] = []
     for k, name in enumerate(classes):
-        found = images_below(root / name)
+        found, other = files_below(root / name)
+        others += other
         if not found:
             raise ImageDataError(f"{root / name}: class folder has no images: expected at least "
                                  f"one file named *{', *'.join(IMAGE_EXTENSIONS[:3])}, ..., found "
@@ -282,7 +320,7 @@ def scan_image_folder(root: str | Path, min_classes: int = 2
     if len(classes) < min_classes:
         raise ImageDataError(f"{root}: expected at least 2 class subfolders, found 1 "
                              f"({classes[0]!r}); a classifier needs two or more classes")
-    return files, np.asarray(labels, np.int64), classes
+    return files, np.asarray(labels, np.int64), classes, others
 
 
 NAMED_BAD = 3

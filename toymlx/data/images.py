@@ -45,6 +45,7 @@ from toymlx.data.image_folder import (
     SPLIT_NAMES,
     ImageDataError,
     ImageFiles,
+    not_read_note,
     probe,
     read_file,
     scan_image_folder,
@@ -266,9 +267,9 @@ def _load_raw(path: str | None, size: int | None, channels: int | None,
                              f"{nothing_there(p)}")
     if not _is_image_folder(p):
         return _load_arrays(p)
-    files, y, names = scan_image_folder(p, min_classes)
+    files, y, names, others = scan_image_folder(p, min_classes)
     colour, sizes = probe(files, workers)
-    notes = []
+    notes = [n for n in [not_read_note(p, others)] if n]
     if loose := sorted(f.name for f in p.iterdir() if f.suffix.lower() in IMAGE_EXTENSIONS
                        and not f.name.startswith(".") and f.is_file()):
         notes.append(f"{p}: {counted(len(loose), 'image file')} directly in it, in no class "
