@@ -162,6 +162,19 @@ def image_size(path: Path) -> tuple[int, int]:
         return im.size
 
 
+def resize_and_crop(w: int, h: int, size: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((width, height) the shorter side resized to `size`, (left, top) of the centre
+    `size` square) for a w x h image: torchvision's `Resize(size)` then `CenterCrop(size)`
+    arithmetic (the longer side truncated, the crop's offset rounded half to even), which
+    timm's evaluation transform applies; rounded otherwise, a JPEG of 65 x 57 was cropped a
+    pixel off timm's, and toymlx-classify's answer for it was not timm's on the same file."""
+    if w <= h:
+        nw, nh = size, int(size * h / w)
+    else:
+        nw, nh = int(size * w / h), size
+    return (nw, nh), (round((nw - size) / 2.0), round((nh - size) / 2.0))
+
+
 def decode_image(path: str | Path | ImageBytes, size: int, channels: int) -> np.ndarray:
     """One image file (or its bytes) -> (size, size, channels) uint8: grey or RGB, shorter
     side resized to `size`, centre-cropped."""
@@ -176,12 +189,9 @@ def decode_image(path: str | Path | ImageBytes, size: int, channels: int) -> np.
                 im = Image.fromarray(np.clip(a / (257 if im.mode != "F" else 1 / 255), 0, 255)
                                      .astype(np.uint8))
             im = im.convert(mode)
-            w, h = im.size
-            s = size / min(w, h)
-            nw, nh = max(size, round(w * s)), max(size, round(h * s))
-            if (nw, nh) != (w, h):
+            (nw, nh), (left, top) = resize_and_crop(*im.size, size)
+            if (nw, nh) != im.size:
                 im = im.resize((nw, nh), Image.Resampling.BICUBIC)
-            left, top = (nw - size) // 2, (nh - size) // 2
             im = im.crop((left, top, left + size, top + size))
             a = np.asarray(im, np.uint8)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:

@@ -48,6 +48,7 @@ from toymlx.data.image_folder import (
     not_read_note,
     probe,
     read_file,
+    resize_and_crop,
     scan_image_folder,
     split_folders,
 )
@@ -313,10 +314,8 @@ def _conform(x: np.ndarray | ImageFiles, size: int | None, channels: int | None,
         for i in range(n):
             for ch in range(x.shape[-1]):
                 im = Image.fromarray(np.asarray(x[i, :, :, ch], np.float32), mode="F")
-                s = size / min(h, w)
-                nw, nh = max(size, round(w * s)), max(size, round(h * s))
+                (nw, nh), (left, top) = resize_and_crop(w, h, size)
                 im = im.resize((nw, nh), Image.Resampling.BICUBIC)
-                left, top = (nw - size) // 2, (nh - size) // 2
                 out[i, :, :, ch] = np.asarray(im.crop((left, top, left + size, top + size)))
         x = out
     return x
