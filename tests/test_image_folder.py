@@ -561,3 +561,22 @@ def test_every_unreadable_image_is_named_in_one_line(tmp_path):
                        r"Pillow can read: .*; .*bad2\.png: not an image .* an empty file; remove "
                        r"or replace them$"):
         probe([tmp_path / "bad.png", tmp_path / "bad2.png"], 2)
+
+
+def test_a_class_with_no_validation_image_is_named(tmp_path):
+    """timm's layout with val/ lacking one class's subfolder validated on the other classes
+    without a word: the held-out accuracy read as the model's on every class. One line names
+    the classes it leaves out."""
+    root = tmp_path / "d"
+    make_image_folder(root / "train", per_class=4)
+    make_image_folder(root / "val", per_class=2, seed=1)
+    for f in (root / "val" / "frog").iterdir():
+        f.unlink()
+    (root / "val" / "frog").rmdir()
+    d = load_images(str(root), image_size=8)  # timm's layout
+    assert sorted(set(d.val_y.tolist())) == [0, 1]
+    assert d.notes[1:] == [
+        (f"{root / 'val'}: 1 of the 3 classes has no validation image ('frog'): the held-out "
+         "accuracy and loss cover the other 2; add images of it to score it")]
+    assert load_images(str(root / "train"), val_path=str(root / "train"), image_size=8
+                       ).notes == []
