@@ -60,6 +60,29 @@ def test_decode_equals_timm_s_evaluation_transform(tmp_path):
                                       err_msg=f"{w}x{h} at {size}")
 
 
+def test_a_palette_with_transparency_decodes_without_pillow_s_warning(tmp_path):
+    """A palette PNG whose transparency is a table of bytes (a tRNS chunk, as image editors
+    write one) made Pillow warn, in two lines naming no file, that it "should be converted to
+    RGBA": shown once a process, for whichever file came first. The alpha is dropped either
+    way; the pixels are Pillow's own convert's, and nothing is warned."""
+    import warnings
+
+    rng = np.random.default_rng(4)
+    p = tmp_path / "trns.png"
+    im = Image.fromarray(rng.integers(0, 256, (12, 12, 3)).astype(np.uint8)).convert(
+        "P", palette=Image.Palette.ADAPTIVE)
+    im.save(p, transparency=bytes([0, 128, 255] + [255] * 13))
+    assert isinstance(Image.open(p).info["transparency"], bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = {c: np.asarray(Image.open(p).convert(m)).reshape(12, 12, c)
+                for c, m in ((3, "RGB"), (1, "L"))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for c in (3, 1):
+            np.testing.assert_array_equal(decode_image(p, 12, c), want[c])
+
+
 def test_folder_load_colour_names_split_and_stream(tmp_path):
     root = make_image_folder(tmp_path / "f")
     d = load_images(str(root), 0.2, image_size=12)

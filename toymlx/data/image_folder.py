@@ -188,6 +188,9 @@ def decode_image(path: str | Path | ImageBytes, size: int, channels: int) -> np.
                 a = np.asarray(im, np.float32)  # 16-bit or float grey: to 8 bits
                 im = Image.fromarray(np.clip(a / (257 if im.mode != "F" else 1 / 255), 0, 255)
                                      .astype(np.uint8))
+            # transparency goes with the alpha (timm's convert drops it too); a palette's kept
+            # as bytes made Pillow warn in two lines naming no file, once a process, each convert
+            im.info.pop("transparency", None)
             im = im.convert(mode)
             (nw, nh), (left, top) = resize_and_crop(*im.size, size)
             if (nw, nh) != im.size:
