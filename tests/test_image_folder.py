@@ -586,6 +586,21 @@ def test_every_unreadable_image_is_named_in_one_line(tmp_path):
         probe([tmp_path / "bad.png", tmp_path / "bad2.png"], 2)
 
 
+def test_a_folder_one_level_above_the_classes_names_the_one_below(tmp_path):
+    """`--data.path data` with the classes in data/images/ read as one class, images, and was
+    refused for having one class, the way out unsaid: the refusal names the folder below whose
+    subfolders look like the classes. A class with subfolders of its own among others is not
+    second-guessed."""
+    make_image_folder(tmp_path / "data" / "images", per_class=1)
+    with pytest.raises(ImageDataError) as e:
+        load_images(str(tmp_path / "data"), image_size=8)
+    assert str(e.value) == (
+        f"{tmp_path / 'data'}: expected at least 2 class subfolders, found 1 ('images'); a "
+        "classifier needs two or more classes; its subfolders (bird, cat, frog) look like the "
+        f"classes: --data.path {tmp_path / 'data' / 'images'}")
+    assert len(load_images(str(tmp_path / "data" / "images"), 0.0, image_size=8).train_y) == 3
+
+
 def test_a_class_with_no_validation_image_is_named(tmp_path):
     """timm's layout with val/ lacking one class's subfolder validated on the other classes
     without a word: the held-out accuracy read as the model's on every class. One line names

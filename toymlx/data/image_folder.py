@@ -331,8 +331,11 @@ def scan_image_folder(root: str | Path, min_classes: int = 2
         files += found
         labels += [k] * len(found)
     if len(classes) < min_classes:
+        inner = [d.name for d in subfolders(root / classes[0])]
+        fix = (f"; its subfolders ({shortlist(inner, 3)}) look like the classes: --data.path "
+               f"{root / classes[0]}" if len(inner) >= 2 else "")  # one folder too high
         raise ImageDataError(f"{root}: expected at least 2 class subfolders, found 1 "
-                             f"({classes[0]!r}); a classifier needs two or more classes")
+                             f"({classes[0]!r}); a classifier needs two or more classes{fix}")
     return files, np.asarray(labels, np.int64), classes, others
 
 
