@@ -615,6 +615,7 @@ def evaluate_images(args: Args, path: Path, rows: RunRows | None = None) -> dict
 
     from toymlx.backend import atomic
     from toymlx.backend.files import counted
+    from toymlx.data.image_folder import split_folders
     from toymlx.data.images import load_images
     from toymlx.generation.classify import (
         Classifier,
@@ -646,6 +647,13 @@ def evaluate_images(args: Args, path: Path, rows: RunRows | None = None) -> dict
     data.mean, data.std = clf.mean, clf.std
     for note in data.notes:  # how the data was read (timm's layout, images in no class folder)
         print(f"{PROG}: {note}", file=sys.stderr)
+    if every and not val_path and data_path is not None \
+            and "val" in (found := split_folders(data_path) or {}):
+        # timm's layout scored whole: its train/ and val/ pooled, which the split's name alone
+        # ("(all)") left to be guessed
+        print(f"{PROG}: {data_path}: {found['train'].name}/, {found['val'].name}/ are splits "
+              f"(timm's layout), not classes: scoring the images of both; --split val: "
+              f"{found['val'].name}/ alone", file=sys.stderr)
     if not every and len(data.val_y) == 0:  # numpy's "need at least one array to concatenate"
         raise ValueError(f"{data.source}: --split val: expected validation images to score, "
                          f"found none: --data.val-fraction {run.get('val_fraction', 0.1)} of "

@@ -96,7 +96,7 @@ class Args:
 
 def export_vit(args: Args) -> int:
     from toymlx.generation.classify import Classifier
-    from toymlx.interop.timm_export import TIMM_ARCH, export_timm, timm_model_args
+    from toymlx.interop.timm_export import CLASS_MAP, TIMM_ARCH, export_timm, timm_model_args
 
     if args.base or args.adapter or args.fuse or args.dtype:
         raise ValueError("--format safetensors: expected --model and --out only, found "
@@ -107,7 +107,7 @@ def export_vit(args: Args) -> int:
     check_output(args.out, inputs, folder=not args.out.endswith(".safetensors"),
                  overwrite=args.overwrite)
     if not args.out.endswith(".safetensors"):  # a folder: the two files written into it
-        for name in ("model.safetensors", "config.json"):
+        for name in ("model.safetensors", "config.json", CLASS_MAP):
             check_output(Path(args.out) / name, inputs, overwrite=args.overwrite)
     norm = {"toy.pixel_scale": clf.scale, "toy.pixel_mean": clf.mean.tolist(),
             "toy.pixel_std": clf.std.tolist()}
@@ -116,7 +116,9 @@ def export_vit(args: Args) -> int:
         kwargs = ", ".join(f"{k}={v!r}" for k, v in timm_model_args(clf.model.args).items())
         load = f"timm.create_model({TIMM_ARCH!r}, {kwargs}) and load_state_dict"
     else:  # a folder with config.json: timm reads the shape and the weights from it
-        load = f"timm.create_model('local-dir:{args.out.rstrip('/')}', pretrained=True)"
+        load = (f"timm.create_model('local-dir:{args.out.rstrip('/')}', pretrained=True) "
+                f"(and its classes' order: create_dataset(..., class_map="
+                f"'{Path(args.out) / CLASS_MAP}'))")
     print(f"{PROG}: wrote {', '.join(map(str, files))} from {clf.path} in "
           f"{time.perf_counter() - t0:.1f} s; load with {load}; "
           f"inputs NCHW, (pixels / 255 - mean) / std with mean "

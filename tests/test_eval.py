@@ -137,6 +137,26 @@ def test_a_count_not_an_integer_is_one_line(capsys):
         "toymlx-eval: error: --limit: expected an integer or None, got '1.5'\n")
 
 
+def test_vit_on_another_set_in_timm_s_layout_says_it_pools_train_and_val(tmp_path, capsys):
+    """--data.path DIR in timm's layout (train/, val/) of a set the run did not train on is
+    scored whole, its two splits pooled: the report said only "(all)". One line says so and
+    names --split val; --split val scores val/ alone, without the line."""
+    run, _ = vit_run(tmp_path)
+    other = tmp_path / "other"
+    make_image_folder(other / "train", per_class=2, seed=5)
+    make_image_folder(other / "val", per_class=1, seed=6)
+    capsys.readouterr()
+    assert eval_main(["--model", str(run), "--data.path", str(other), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["images"] == 9
+    assert err == (f"toymlx-eval: {other}: train/, val/ are splits (timm's layout), not "
+                   "classes: scoring the images of both; --split val: val/ alone\n")
+    assert eval_main(["--model", str(run), "--data.path", str(other), "--split", "val",
+                      "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["images"] == 3 and err == ""
+
+
 def test_vit_scores_the_first_images_as_a_folder_of_them_alone(tmp_path, capsys):
     """A ViT on --split all of its 9 images (class folders in order), --max-examples 5: the same
     accuracy, matrix and loss as a folder holding those 5 images alone, in the JSON and the

@@ -25,19 +25,62 @@ from toymlx.data.images import Augment, Prefetcher, load_images
 
 def test_scan_and_decode_against_pillow(tmp_path):
     root = make_image_folder(tmp_path / "f", per_class=4)
-    files, labels, names = scan_image_folder(root)
+    files, labels, names, _ = scan_image_folder(root)
     assert names == list(CLASSES) and labels.tolist() == [0] * 4 + [1] * 4 + [2] * 4
     assert [f.parent.name for f in files] == [CLASSES[k] for k in labels]
-    # A 9x20 RGB image at size 8: shorter side 9 -> 8 (width 18 by rounding), centre 8x8 crop.
+    # A 9x20 RGB image at size 8: shorter side 9 -> 8, width int(8 * 20 / 9) = 17 (as
+    # torchvision's Resize truncates), centre 8x8 crop from round(4.5) = 4.
     p = tmp_path / "one.png"
     rgb = np.random.default_rng(1).integers(0, 256, (9, 20, 3)).astype(np.uint8)
     Image.fromarray(rgb).save(p)
-    want = np.asarray(Image.fromarray(rgb).resize((18, 8), Image.Resampling.BICUBIC)
-                      .crop((5, 0, 13, 8)))
+    want = np.asarray(Image.fromarray(rgb).resize((17, 8), Image.Resampling.BICUBIC)
+                      .crop((4, 0, 12, 8)))
     np.testing.assert_array_equal(decode_image(p, 8, 3), want)
-    grey = np.asarray(Image.fromarray(rgb).convert("L").resize((18, 8), Image.Resampling.BICUBIC)
-                      .crop((5, 0, 13, 8)))
+    grey = np.asarray(Image.fromarray(rgb).convert("L").resize((17, 8), Image.Resampling.BICUBIC)
+                      .crop((4, 0, 12, 8)))
     np.testing.assert_array_equal(decode_image(p, 8, 1)[..., 0], grey)
+
+
+def test_decode_equals_timm_s_evaluation_transform(tmp_path):
+    """timm's evaluation transform (crop_pct 1, as toymlx-export's config.json gives it) is
+    torchvision's Resize(size, bicubic) then CenterCrop(size): the longer side truncated, the
+    crop's offset rounded. toymlx rounded the one and floored the other, so 18 of 30 photos
+    of mixed sizes came out a pixel off timm's (up to 60 levels apart at an edge) and
+    toymlx-classify's probabilities differed from timm's on the same file by up to 0.011."""
+    T = pytest.importorskip("torchvision.transforms", reason="torchvision: the reference")
+    rng = np.random.default_rng(3)
+    for w, h, size in [(65, 57, 32), (57, 65, 32), (20, 9, 8), (33, 33, 16), (46, 38, 224),
+                       (3, 70, 12)]:
+        p = tmp_path / f"{w}x{h}.png"
+        Image.fromarray(rng.integers(0, 256, (h, w, 3)).astype(np.uint8)).save(p)
+        ref = T.Compose([T.Resize(size, interpolation=T.InterpolationMode.BICUBIC),
+                         T.CenterCrop(size)])
+        np.testing.assert_array_equal(decode_image(p, size, 3),
+                                      np.asarray(ref(Image.open(p).convert("RGB"))),
+                                      err_msg=f"{w}x{h} at {size}")
+
+
+def test_a_palette_with_transparency_decodes_without_pillow_s_warning(tmp_path):
+    """A palette PNG whose transparency is a table of bytes (a tRNS chunk, as image editors
+    write one) made Pillow warn, in two lines naming no file, that it "should be converted to
+    RGBA": shown once a process, for whichever file came first. The alpha is dropped either
+    way; the pixels are Pillow's own convert's, and nothing is warned."""
+    import warnings
+
+    rng = np.random.default_rng(4)
+    p = tmp_path / "trns.png"
+    im = Image.fromarray(rng.integers(0, 256, (12, 12, 3)).astype(np.uint8)).convert(
+        "P", palette=Image.Palette.ADAPTIVE)
+    im.save(p, transparency=bytes([0, 128, 255] + [255] * 13))
+    assert isinstance(Image.open(p).info["transparency"], bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = {c: np.asarray(Image.open(p).convert(m)).reshape(12, 12, c)
+                for c, m in ((3, "RGB"), (1, "L"))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for c in (3, 1):
+            np.testing.assert_array_equal(decode_image(p, 12, c), want[c])
 
 
 def test_folder_load_colour_names_split_and_stream(tmp_path):
@@ -99,6 +142,38 @@ def test_images_in_no_class_folder_are_named_not_dropped_without_a_word(tmp_path
         (root / name).unlink()
     assert load_images(str(root), image_size=8).notes == []
 
+
+
+def test_files_in_class_folders_not_named_as_images_are_counted_in_one_line(tmp_path, capsys):
+    """An iPhone's .heic photos, a Windows .jfif download, a Thumbs.db or a notes.txt in a
+    class folder are not read: they were left out without a word, so a class of .heic photos
+    trained on what remained of it (and toymlx-classify of a folder answered for the others
+    alone). One line counts them by extension and names the first; hidden names (.DS_Store)
+    still say nothing."""
+    from toymlx.generation.classify import image_files
+
+    root = make_image_folder(tmp_path / "f", per_class=3)
+    for name in ("bird/photo.HEIC", "bird/b.heic", "cat/Thumbs.db", "cat/scan.jfif",
+                 "frog/README", "frog/.DS_Store"):
+        (root / name).write_bytes(b"\x00")
+    d = load_images(str(root), image_size=8)
+    assert len(d.train_y) + len(d.val_y) == 9
+    assert d.notes == [
+        (f"{root}: 5 files not read, not named as images (*.png, *.jpg, *.jpeg, ...): 2 .heic, "
+        "1 .db, 1 .jfif, 1 no extension (bird/b.heic, bird/photo.HEIC, cat/Thumbs.db and 2 "
+        "more); convert or rename any image among them to a format read")]
+    capsys.readouterr()
+    assert len(image_files([root / "bird", root / "frog"])) == 6
+    assert capsys.readouterr().err == (
+        f"toymlx: {root / 'bird'}: 2 files not read, not named as images (*.png, *.jpg, "
+        "*.jpeg, ...): 2 .heic (b.heic, photo.HEIC); convert or rename any image among them "
+        f"to a format read\ntoymlx: {root / 'frog'}: 1 file not read, not named as images "
+        "(*.png, *.jpg, *.jpeg, ...): 1 no extension (README); convert or rename any image "
+        "among them to a format read\n")
+    for name in ("bird/photo.HEIC", "bird/b.heic", "cat/Thumbs.db", "cat/scan.jfif",
+                 "frog/README"):
+        (root / name).unlink()
+    assert load_images(str(root), image_size=8).notes == []
 
 def test_a_palette_of_greys_is_grey(tmp_path):
     """GIFs (and palette PNGs) of grey digits are mode P with a palette of greys: counted as
@@ -430,7 +505,7 @@ def test_linked_subfolders_are_read_and_a_dangling_link_is_named(tmp_path):
     elsewhere = make_image_folder(tmp_path / "more", per_class=2, seed=2)
     (root / "cat" / "more").symlink_to(elsewhere / "cat")
     (root / "cat" / "loop").symlink_to(root / "cat")  # a link back up: read once
-    files, labels, _ = scan_image_folder(root)
+    files, labels, _, _ = scan_image_folder(root)
     assert np.bincount(labels).tolist() == [3, 5, 3]
     assert sum(f.parent.name == "more" for f in files) == 2
     # a link up to the folder holding the classes read them all as cat's, without a word
@@ -487,7 +562,7 @@ def test_every_unreadable_image_is_named_in_one_line(tmp_path):
     the next); one line names the first three, in file order, and counts the rest, at load
     (a set decoded into memory, or a streamed set's headers) and in a streamed batch."""
     root = make_image_folder(tmp_path / "f", per_class=6)
-    files, _, _ = scan_image_folder(root)
+    files, _, _, _ = scan_image_folder(root)
     pngs = [f for f in files if f.suffix == ".png"]
     for f in pngs[:5]:  # the header whole, the pixels cut
         f.write_bytes(f.read_bytes()[:60])
@@ -509,3 +584,37 @@ def test_every_unreadable_image_is_named_in_one_line(tmp_path):
                        r"Pillow can read: .*; .*bad2\.png: not an image .* an empty file; remove "
                        r"or replace them$"):
         probe([tmp_path / "bad.png", tmp_path / "bad2.png"], 2)
+
+
+def test_a_folder_one_level_above_the_classes_names_the_one_below(tmp_path):
+    """`--data.path data` with the classes in data/images/ read as one class, images, and was
+    refused for having one class, the way out unsaid: the refusal names the folder below whose
+    subfolders look like the classes. A class with subfolders of its own among others is not
+    second-guessed."""
+    make_image_folder(tmp_path / "data" / "images", per_class=1)
+    with pytest.raises(ImageDataError) as e:
+        load_images(str(tmp_path / "data"), image_size=8)
+    assert str(e.value) == (
+        f"{tmp_path / 'data'}: expected at least 2 class subfolders, found 1 ('images'); a "
+        "classifier needs two or more classes; its subfolders (bird, cat, frog) look like the "
+        f"classes: --data.path {tmp_path / 'data' / 'images'}")
+    assert len(load_images(str(tmp_path / "data" / "images"), 0.0, image_size=8).train_y) == 3
+
+
+def test_a_class_with_no_validation_image_is_named(tmp_path):
+    """timm's layout with val/ lacking one class's subfolder validated on the other classes
+    without a word: the held-out accuracy read as the model's on every class. One line names
+    the classes it leaves out."""
+    root = tmp_path / "d"
+    make_image_folder(root / "train", per_class=4)
+    make_image_folder(root / "val", per_class=2, seed=1)
+    for f in (root / "val" / "frog").iterdir():
+        f.unlink()
+    (root / "val" / "frog").rmdir()
+    d = load_images(str(root), image_size=8)  # timm's layout
+    assert sorted(set(d.val_y.tolist())) == [0, 1]
+    assert d.notes[1:] == [
+        (f"{root / 'val'}: 1 of the 3 classes has no validation image ('frog'): the held-out "
+         "accuracy and loss cover the other 2; add images of it to score it")]
+    assert load_images(str(root / "train"), val_path=str(root / "train"), image_size=8
+                       ).notes == []

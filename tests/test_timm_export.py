@@ -99,14 +99,45 @@ def test_export_says_how_timm_loads_what_it_wrote(tmp_path, capsys):
     assert export_main(["--model", str(ckpt), "--format", "safetensors",
                         "--out", str(tmp_path / "vit") + "/"]) == 0
     err = capsys.readouterr().err
-    assert f"; load with timm.create_model('local-dir:{tmp_path / 'vit'}', pretrained=True); " \
-        "inputs NCHW" in err, err
+    assert f"; load with timm.create_model('local-dir:{tmp_path / 'vit'}', pretrained=True) " \
+        f"(and its classes' order: create_dataset(..., class_map='{tmp_path / 'vit'}/" \
+        "class_map.txt')); inputs NCHW" in err, err
     assert export_main(["--model", str(ckpt), "--format", "safetensors",
                         "--out", str(tmp_path / "w.safetensors")]) == 0
     err = capsys.readouterr().err
     assert f"; load with timm.create_model({TIMM_ARCH!r}, num_classes=4, img_size=12, " \
         "patch_size=4, in_chans=3, embed_dim=24, depth=2, " in err, err
     assert ") and load_state_dict; inputs NCHW" in err, err
+
+
+def test_the_class_map_numbers_timm_s_folders_as_the_model_does(tmp_path):
+    """Class folders class2, class10, Bee: toymlx numbers them as torchvision does (Bee,
+    class10, class2), timm's folder reader in natural order (Bee, class2, class10), so timm
+    scored the exported model against other classes' labels. The export writes class_map.txt
+    (the names one a line, in the model's order), which timm's create_dataset(class_map=...)
+    and train.py's --class-map read."""
+    from image_files import make_image_folder
+
+    from toymlx.data.image_folder import scan_image_folder
+
+    data = tmp_path / "data"
+    make_image_folder(data, per_class=1)
+    for old, new in zip(sorted(p for p in data.iterdir()), ["class2", "class10", "Bee"]):
+        old.rename(data / new)
+    names = scan_image_folder(data)[2]
+    assert names == ["Bee", "class10", "class2"]
+    args = ViTArgs(**{**ARGS.__dict__, "num_classes": 3})
+    ckpt = tmp_path / "m.gguf"
+    write_vit(ckpt, ViT(args), NORM, class_names=names)
+    assert export_main(["--model", str(ckpt), "--format", "safetensors",
+                        "--out", str(tmp_path / "vit")]) == 0
+    assert (tmp_path / "vit" / "class_map.txt").read_text() == "Bee\nclass10\nclass2\n"
+    reader = pytest.importorskip("timm.data.readers.reader_image_folder",
+                                 reason="timm: the reader the map is for")
+    assert reader.ReaderImageFolder(str(data)).class_to_idx == {
+        "Bee": 0, "class2": 1, "class10": 2}  # natural order: not the model's
+    assert reader.ReaderImageFolder(str(data), class_map=str(tmp_path / "vit" / "class_map.txt")
+                                    ).class_to_idx == {n: i for i, n in enumerate(names)}
 
 
 def test_a_failed_export_leaves_nothing_it_wrote(tmp_path, capsys, monkeypatch):

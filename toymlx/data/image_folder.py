@@ -23,7 +23,14 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from toymlx.backend.files import IMAGE_MAGIC, names_below, not_utf8, special_kind
+from toymlx.backend.files import (
+    IMAGE_MAGIC,
+    counted,
+    names_below,
+    not_utf8,
+    shortlist,
+    special_kind,
+)
 from toymlx.data.text import DataError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm",
@@ -155,6 +162,19 @@ def image_size(path: Path) -> tuple[int, int]:
         return im.size
 
 
+def resize_and_crop(w: int, h: int, size: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((width, height) the shorter side resized to `size`, (left, top) of the centre
+    `size` square) for a w x h image: torchvision's `Resize(size)` then `CenterCrop(size)`
+    arithmetic (the longer side truncated, the crop's offset rounded half to even), which
+    timm's evaluation transform applies; rounded otherwise, a JPEG of 65 x 57 was cropped a
+    pixel off timm's, and toymlx-classify's answer for it was not timm's on the same file."""
+    if w <= h:
+        nw, nh = size, int(size * h / w)
+    else:
+        nw, nh = int(size * w / h), size
+    return (nw, nh), (round((nw - size) / 2.0), round((nh - size) / 2.0))
+
+
 def decode_image(path: str | Path | ImageBytes, size: int, channels: int) -> np.ndarray:
     """One image file (or its bytes) -> (size, size, channels) uint8: grey or RGB, shorter
     side resized to `size`, centre-cropped."""
@@ -168,13 +188,13 @@ def decode_image(path: str | Path | ImageBytes, size: int, channels: int) -> np.
                 a = np.asarray(im, np.float32)  # 16-bit or float grey: to 8 bits
                 im = Image.fromarray(np.clip(a / (257 if im.mode != "F" else 1 / 255), 0, 255)
                                      .astype(np.uint8))
+            # transparency goes with the alpha (timm's convert drops it too); a palette's kept
+            # as bytes made Pillow warn in two lines naming no file, once a process, each convert
+            im.info.pop("transparency", None)
             im = im.convert(mode)
-            w, h = im.size
-            s = size / min(w, h)
-            nw, nh = max(size, round(w * s)), max(size, round(h * s))
-            if (nw, nh) != (w, h):
+            (nw, nh), (left, top) = resize_and_crop(*im.size, size)
+            if (nw, nh) != im.size:
                 im = im.resize((nw, nh), Image.Resampling.BICUBIC)
-            left, top = (nw - size) // 2, (nh - size) // 2
             im = im.crop((left, top, left + size, top + size))
             a = np.asarray(im, np.uint8)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
@@ -185,17 +205,28 @@ def decode_image(path: str | Path | ImageBytes, size: int, channels: int) -> np.
 
 
 def images_below(folder: Path) -> list[Path]:
-    """The image files below `folder` (by extension; hidden names skipped), sorted, as
-    `names_below` walks it (through linked subfolders, as torchvision's ImageFolder does);
-    ImageDataError naming one that is a FIFO, a device or a socket (opening it could wait
-    forever) or a link to nothing: skipping either would drop an image without a word."""
-    found = []
+    """The image files below `folder` (`files_below`'s first list)."""
+    return files_below(folder)[0]
+
+
+def files_below(folder: Path) -> tuple[list[Path], list[Path]]:
+    """(the image files below `folder` (by extension), the other files), hidden names skipped
+    in both, sorted, as `names_below` walks it (through linked subfolders, as torchvision's
+    ImageFolder does); ImageDataError naming an image name that is a FIFO, a device or a
+    socket (opening it could wait forever) or a link to nothing: skipping either would drop an
+    image without a word. The other files (a notes.txt, a Thumbs.db, an iPhone's .heic, a
+    Windows .jfif) are for the caller to name: they are not read."""
+    found, others = [], []
     try:
         below = list(names_below(folder))
     except ValueError as e:  # a link back up the tree
         raise ImageDataError(str(e)) from None
     for p in below:
-        if p.suffix.lower() not in IMAGE_EXTENSIONS or p.name.startswith("."):
+        if p.name.startswith("."):
+            continue
+        if p.suffix.lower() not in IMAGE_EXTENSIONS:
+            if p.is_file():
+                others.append(p)
             continue
         if kind := special_kind(p):
             raise ImageDataError(f"{p}: expected an image file, found {kind}; remove it or "
@@ -206,7 +237,24 @@ def images_below(folder: Path) -> list[Path]:
                                  "target or remove the link")
         if p.is_file():
             found.append(p)
-    return sorted(found)
+    return sorted(found), sorted(others)
+
+
+def not_read_note(root: Path, others: Sequence[Path]) -> str | None:
+    """One line naming the files in `root`'s folders that are not read, their names not an
+    image's (`files_below`'s second list), counted by extension; None for none. Left out
+    without a word, a class of .heic photos or .jfif downloads trained on what remained."""
+    if not others:
+        return None
+    by_ext: dict[str, int] = {}
+    for f in others:
+        ext = f.suffix.lower() or "no extension"
+        by_ext[ext] = by_ext.get(ext, 0) + 1
+    kinds = ", ".join(f"{n} {ext}" for ext, n in sorted(by_ext.items(), key=lambda e: -e[1]))
+    names = shortlist([str(f.relative_to(root)) for f in others], 3)
+    return (f"{root}: {counted(len(others), 'file')} not read, not named as images "
+            f"(*{', *'.join(IMAGE_EXTENSIONS[:3])}, ...): {kinds} ({names}); convert or rename "
+            "any image among them to a format read")
 
 
 def subfolders(root: Path) -> list[Path]:
@@ -256,9 +304,10 @@ def split_folders(root: str | Path) -> dict[str, Path] | None:
 
 
 def scan_image_folder(root: str | Path, min_classes: int = 2
-                      ) -> tuple[list[Path], np.ndarray, list[str]]:
-    """(files, labels, class names) of an ImageFolder tree, in sorted order; a training set
-    needs two classes, a validation or test set (`min_classes=1`) one."""
+                      ) -> tuple[list[Path], np.ndarray, list[str], list[Path]]:
+    """(files, labels, class names, the other files not read) of an ImageFolder tree, in
+    sorted order (`files_below`); a training set needs two classes, a validation or test set
+    (`min_classes=1`) one."""
     root = Path(root)
     classes = [d.name for d in subfolders(root)]
     if not classes:
@@ -271,8 +320,10 @@ def scan_image_folder(root: str | Path, min_classes: int = 2
                                  "rename it")
     files: list[Path] = []
     labels: list[int] = []
+    others: list[Path] = []
     for k, name in enumerate(classes):
-        found = images_below(root / name)
+        found, other = files_below(root / name)
+        others += other
         if not found:
             raise ImageDataError(f"{root / name}: class folder has no images: expected at least "
                                  f"one file named *{', *'.join(IMAGE_EXTENSIONS[:3])}, ..., found "
@@ -280,9 +331,12 @@ def scan_image_folder(root: str | Path, min_classes: int = 2
         files += found
         labels += [k] * len(found)
     if len(classes) < min_classes:
+        inner = [d.name for d in subfolders(root / classes[0])]
+        fix = (f"; its subfolders ({shortlist(inner, 3)}) look like the classes: --data.path "
+               f"{root / classes[0]}" if len(inner) >= 2 else "")  # one folder too high
         raise ImageDataError(f"{root}: expected at least 2 class subfolders, found 1 "
-                             f"({classes[0]!r}); a classifier needs two or more classes")
-    return files, np.asarray(labels, np.int64), classes
+                             f"({classes[0]!r}); a classifier needs two or more classes{fix}")
+    return files, np.asarray(labels, np.int64), classes, others
 
 
 NAMED_BAD = 3

@@ -36,7 +36,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 from PIL import Image
 
-from toymlx.backend.files import counted, nothing_there
+from toymlx.backend.files import counted, nothing_there, shortlist
 from toymlx.data import augment as A
 from toymlx.data import fixture_path
 from toymlx.data.cifar import is_cifar, load_cifar
@@ -45,8 +45,10 @@ from toymlx.data.image_folder import (
     SPLIT_NAMES,
     ImageDataError,
     ImageFiles,
+    not_read_note,
     probe,
     read_file,
+    resize_and_crop,
     scan_image_folder,
     split_folders,
 )
@@ -266,9 +268,9 @@ def _load_raw(path: str | None, size: int | None, channels: int | None,
                              f"{nothing_there(p)}")
     if not _is_image_folder(p):
         return _load_arrays(p)
-    files, y, names = scan_image_folder(p, min_classes)
+    files, y, names, others = scan_image_folder(p, min_classes)
     colour, sizes = probe(files, workers)
-    notes = []
+    notes = [n for n in [not_read_note(p, others)] if n]
     if loose := sorted(f.name for f in p.iterdir() if f.suffix.lower() in IMAGE_EXTENSIONS
                        and not f.name.startswith(".") and f.is_file()):
         notes.append(f"{p}: {counted(len(loose), 'image file')} directly in it, in no class "
@@ -312,10 +314,8 @@ def _conform(x: np.ndarray | ImageFiles, size: int | None, channels: int | None,
         for i in range(n):
             for ch in range(x.shape[-1]):
                 im = Image.fromarray(np.asarray(x[i, :, :, ch], np.float32), mode="F")
-                s = size / min(h, w)
-                nw, nh = max(size, round(w * s)), max(size, round(h * s))
+                (nw, nh), (left, top) = resize_and_crop(w, h, size)
                 im = im.resize((nw, nh), Image.Resampling.BICUBIC)
-                left, top = (nw - size) // 2, (nh - size) // 2
                 out[i, :, :, ch] = np.asarray(im.crop((left, top, left + size, top + size)))
         x = out
     return x
@@ -662,7 +662,8 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
                    test_x=test_x, test_y=test_y, test_source=test_source,
                    val_scale=val_scale, test_scale=test_scale)
     if classes is None:
-        out.notes = [n for n in [classes_note(raw, out.train_y, len(names))] if n]
+        out.notes = [n for n in [classes_note(raw, out.train_y, len(names)),
+                                 val_path and unscored_note(val.source, out.val_y, names)] if n]
     out.notes[:0] = raw.notes + held_notes + (test.notes if test is not None else [])
     if layout is not None and classes is None:  # training on it (an evaluation trains nothing)
         out.notes.insert(0, layout_note)
@@ -728,6 +729,22 @@ def classes_note(raw: Raw, train_y: np.ndarray, num_classes: int) -> str | None:
     return (f"{raw.source}: {raw.label_key} takes {len(present)} values in 0..{num_classes - 1} "
             f"in the training split: {missing} of the {num_classes} classes {have} no training "
             f"image")
+
+
+def unscored_note(source: str, val_y: np.ndarray, names: Sequence[str]) -> str | None:
+    """One line when classes have no image in a validation set of its own (a val/ folder
+    without one class's subfolder), None otherwise: the held-out accuracy then left them out
+    without a word. (Not for the seeded split: a set of a few dozen images leaves a class out
+    of it by chance, and says its size already.)"""
+    have = set(np.unique(val_y).tolist())
+    absent = [names[k] for k in range(len(names)) if k not in have]
+    if not absent or not len(val_y):
+        return None
+    return (f"{source}: {len(absent)} of the {counted(len(names), 'class', 'classes')} "
+            f"{'has' if len(absent) == 1 else 'have'} no validation image "
+            f"({shortlist([repr(n) for n in absent], 5)}): the held-out accuracy and loss "
+            f"cover the other {len(names) - len(absent)}; add images of "
+            f"{'it' if len(absent) == 1 else 'them'} to score {'it' if len(absent) == 1 else 'them'}")
 
 
 def _take(x: np.ndarray | ImageFiles, idx: np.ndarray) -> np.ndarray | ImageFiles:

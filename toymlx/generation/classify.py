@@ -9,6 +9,7 @@ by 1/255 and standardised with the checkpoint's mean and std.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,8 @@ from toymlx.data.image_folder import (
     ImageBytes,
     ImageDataError,
     decode_image,
-    images_below,
+    files_below,
+    not_read_note,
 )
 from toymlx.gguf.llama import ARCHS
 from toymlx.gguf.reader import VOCAB_ONLY, GGUFError, GGUFFile
@@ -196,7 +198,9 @@ def input_name(f: Path | ImageBytes) -> str:
 def _expand(p: Path) -> list[Path]:
     name = input_name(p)
     if p.is_dir():
-        found = images_below(p)
+        found, others = files_below(p)
+        if note := not_read_note(p, others):  # as training says it: not dropped without a word
+            print(f"toymlx: {note}", file=sys.stderr)
         if not found:
             raise ImageDataError(f"{name}: expected image files ({', '.join(IMAGE_EXTENSIONS)}) "
                                  "in the folder, found none")

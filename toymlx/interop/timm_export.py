@@ -85,6 +85,13 @@ def timm_state_dict(model: ViT) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
+CLASS_MAP = "class_map.txt"
+"""The class names one a line, in the model's order, as timm's `class_map` (`create_dataset`,
+train.py's `--class-map`) reads them: timm's folder reader numbers class folders in natural
+order (class2 before class10), toymlx in torchvision's (class10 before class2), so without it
+timm scored a model of numbered folders against other classes' labels."""
+
+
 def timm_config(a: ViTArgs, norm: dict[str, Any], class_names: list[str]) -> dict[str, Any]:
     """config.json as timm's hub export writes it (architecture, model_args, pretrained_cfg)."""
     scale = float(norm.get("toy.pixel_scale", 255.0))
@@ -142,7 +149,9 @@ def export_timm(out: str | os.PathLike, model: ViT, norm: dict[str, Any],
         write_safetensors(out / "model.safetensors", tensors, meta)
         try:
             write_text(out / "config.json", json.dumps(cfg, indent=2) + "\n")
+            write_text(out / CLASS_MAP, "".join(f"{n}\n" for n in class_names))
         except BaseException:  # all or nothing: no weights left without the config they need
             discard(out / "model.safetensors")
+            discard(out / "config.json")
             raise
-    return [out / "model.safetensors", out / "config.json"]
+    return [out / "model.safetensors", out / "config.json", out / CLASS_MAP]
