@@ -648,3 +648,34 @@ def test_a_removed_run_names_its_online_w_and_b_run_and_takes_its_files(tmp_path
         "run stays on W&B's server, tagged nothing-trained")
     assert not runs.exists()  # the run folder, TensorBoard's and W&B's files, the runs root
     assert [(r.tags, r.finished) for r in made] == [(("nothing-trained",), 143)]
+
+
+def test_a_resumes_tensorboard_file_is_read_after_its_runs(tmp_path):
+    """TensorBoard reads a run folder's event files in name order
+    (`events.out.tfevents.SECONDS.HOST.PID.N`, N not zero-padded): a resume's writer made by
+    the same process in the second its run's file was made, with N 10 after the run's 9, was
+    read first, so its restart marker came before the steps it drops and they stayed (the
+    default tier's `test_a_resume_at_an_earlier_step_rewinds_tensorboard_and_wandb`: 41
+    train/loss points of 30). The resume's file now starts in a later second."""
+    pytest.importorskip("tensorboard", reason="the tensorboard extra")
+    import os
+    import socket
+    import time
+
+    from tensorboard.summary.writer import event_file_writer
+
+    run = tmp_path / "r"
+    run.mkdir()
+    made = run / (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
+                  f"{os.getpid()}.9")
+    made.write_bytes(b"")
+    uid = event_file_writer._global_uid
+    was = uid._value
+    uid._value = 10  # the next writer's N: "10" sorts before the run's "9" in one second
+    try:
+        reporter = reporters.TensorBoardReporter(run)
+    finally:
+        uid._value = max(uid._value, was)
+    reporter.close()
+    files = sorted(p.name for p in run.glob("events.out.tfevents.*"))
+    assert files[0] == made.name and len(files) == 2

@@ -130,6 +130,18 @@ def scalars(ev: dict) -> tuple[int, dict[str, float]] | None:
     return (step, tags) if tags else None
 
 
+def _next_second(run_dir: Path) -> None:
+    """Wait, where an event file in `run_dir` was made in this second, for the next: TensorBoard
+    reads a folder's event files in the order of their names (`events.out.tfevents.SECONDS.HOST.
+    PID.N`, N a count of the process's writers, not zero-padded), so a resume's file made in its
+    run's second by the same process (`toymlx.train` in a loop, a test) could sort before the
+    run's (N 10 before 9) and its restart marker be read first, the dropped steps kept."""
+    made = [int(m.group(1)) for p in run_dir.glob("events.out.tfevents.*")
+            if (m := re.match(r"events\.out\.tfevents\.(\d+)\.", p.name))]
+    if made and max(made) == int(now := time.time()):
+        time.sleep(math.floor(now) + 1 - now)
+
+
 class TensorBoardReporter:
     """Scalars in a TensorBoard event file in the run folder (TensorBoard's own writer)."""
 
@@ -139,6 +151,7 @@ class TensorBoardReporter:
 
         self._pb, self._summary = event_pb2, summary_pb2
         self.run_dir = Path(run_dir)
+        _next_second(self.run_dir)
         self._writer = EventFileWriter(str(run_dir), flush_secs=10)
 
     def __call__(self, ev: dict) -> None:
