@@ -183,6 +183,29 @@ def test_gemma4_blocks_are_counted_each_at_its_own_widths(tmp_path):
     assert one.runtime == 448 * 2**20
 
 
+def test_gemma4_per_layer_adapters_keep_their_inputs(tmp_path):
+    """A LoRA on gemma4's ple_gate and ple_proj (E2B/E4B's per-layer-input projections) was
+    counted in the trained values but not in the activations: a block keeps ple_gate's input
+    (its residual after the MLP, d wide) and ple_proj's (the GELU product, per_layer_dim wide)
+    for the adapters' gradients, as o's and down's keep theirs. Measured (`kept_values.py
+    --gemma4`, 1 x 256): 1,172 values a token and block over LoRA q with both."""
+    path = sparse_gguf(tmp_path / "gemma4-10.gguf", GEMMA4_10)
+    ops = Ops(kernels="vectorised", decode_slice=None, attention_keep_limit=4096)
+    with GGUFFile(path) as g:
+        est = {t: memory.estimate(g, held="blocks", full=False, targets=t, rank=8, layers=None,
+                                  dora=False, batch_size=2, seq_len=256, ops=ops)
+               for t in (("q",), ("q", "ple_gate"), ("q", "ple_proj"),
+                         ("q", "ple_gate", "ple_proj"))}
+    d, p, tokens = 1536, 256, 2 * 256
+    q = est[("q",)].activations
+    assert est[("q", "ple_gate")].activations - q == 10 * d * tokens * 4
+    assert est[("q", "ple_proj")].activations - q == 10 * p * tokens * 4
+    assert est[("q", "ple_gate", "ple_proj")].activations - q == 10 * (d + p) * tokens * 4
+    # their weights: ple_gate (256 x 1536) and ple_proj (1536 x 256), rank 8 each side
+    assert (est[("q", "ple_gate", "ple_proj")].trained - est[("q",)].trained
+            == 10 * 2 * 8 * (p + d) * 16)
+
+
 SMOLLM2 = LlamaArgs(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
                     ffn_dim=1536, context=8192, rope_base=100000.0, tie_embeddings=True)
 
