@@ -233,10 +233,11 @@ def _target_inputs(a: LlamaArgs, targets: tuple[str, ...], d: int, f: int, q: in
     `ple_proj`'s (the per-layer branch's GELU product, per_layer_dim wide). Those two measured
     (`benchmarks/kept_values.py --gemma4`, 1 x 256, against LoRA q; AMD EPYC, 2 cores shared):
     ple_gate 1,292 float32 values a token and block (counted 1,536), ple_proj within the
-    measurement's noise (-628; counted 256), both 1,172 (counted 1,792). LoRA q,k,v,o,gate,up,down kept, above LoRA q (MLX's count, less the adapters'
-    own), 2,453 float32 values a token and block on the SmolLM2-135M shape (as
-    `BLOCK_D_VALUES`, 1 x 256; these count 2,688), 13,760 on the 10-block gemma4 shape of
-    `GEMMA4_BLOCK_D_VALUES` at 4 x 256 (these count 13,209)."""
+    measurement's noise (-628; counted 256), both 1,172 (counted 1,792). LoRA
+    q,k,v,o,gate,up,down kept, above LoRA q (MLX's count, less the adapters' own), 2,453
+    float32 values a token and block on the SmolLM2-135M shape (as `BLOCK_D_VALUES`, 1 x 256;
+    these count 2,688), 13,760 on the 10-block gemma4 shape of `GEMMA4_BLOCK_D_VALUES` at
+    4 x 256 (these count 13,209)."""
     return ((q if "o" in targets else 0)
             + (d if {"gate", "up", "gate_up"} & set(targets) and not a.n_experts else 0)
             + (f if "down" in targets and not a.n_experts else 0)
