@@ -62,10 +62,11 @@ buffers stay with the process, `toymlx.backend.device.tune_malloc`) and MLX's pe
 other parts' count. Peak RSS less MLX's peak, measured (MiB; AMD EPYC, 2 cores): SmolLM2-135M
 (30 x 576) 150 at 1 x 256, 165-292 at 4 x 256 and 8 x 128; the Llama-3.2-1B shape (16 x 2048)
 248 at 1 x 512 --grad-checkpoint held in blocks, 203 without it held as float32; the 3B
-(28 x 3072) 553 and the 8B (32 x 4096) 792 (session 56), at 1 x 512 --grad-checkpoint: about 55
-+ 6 KiB per block and width, by neither the file's size nor the base's (the 1B held as 4 GB
-of float32 kept less than in 0.65 GB of blocks). This and the fixed parts put the 8B's step
-1.4% over its peak RSS, SmolLM2's LoRA q steps 7-19% over."""
+(28 x 3072) 405 (553 in session 56) and the 8B (32 x 4096) 792 (session 56), at 1 x 512
+--grad-checkpoint: at most about 55 + 6 KiB per block and width, by neither the file's size
+nor the base's (the 1B held as 4 GB of float32 kept less than in 0.65 GB of blocks); it varies
+by 150 MiB from run to run (the 3B). This and the fixed parts put the 8B's step 1.4% over its
+peak RSS, the 3B's 9-17%, SmolLM2's LoRA q steps 7-19%."""
 HEAD_LOGITS_COPIES = 6
 """float32 copies of a frozen head's slice of logits alive at once in the loss
 (`toymlx.models.losses.frozen_head_cross_entropy`: the logits, their exponentials, the
