@@ -22,7 +22,9 @@ The estimate adds, in bytes:
   matrix of a block whole, or `Ops.decode_slice` values of it, `DECODED_COPIES` float32 copies;
   or a mixture of experts' largest 3-D expert tensor whole, `EXPERT_DECODED_COPIES` copies;
   each CPU stream the step runs on decodes its own (`step_streams`).
-- runtime: Python, MLX and the tokenizer (`RUNTIME_BYTES`).
+- runtime: Python, MLX and the data (`RUNTIME_BYTES`), the tokenizer (`TOKENIZER_BYTES` a
+  vocabulary token) and the heap kept beyond MLX's arrays (`HEAP_BYTES` a block and unit of
+  width: `runtime_bytes`).
 It is an estimate, written to refuse runs that cannot fit, not to predict a peak to the MB.
 """
 
@@ -41,17 +43,30 @@ from toymlx.models.llama import LlamaArgs, attention_values
 from toymlx.models.losses import head_slices, logits_chunk
 from toymlx.models.ops import Ops
 
-RUNTIME_BYTES = 448 * 2**20
-"""What a run's RSS holds beyond MLX's arrays at its peak: the interpreter and libraries, the
-tokenizer and data, MLX's buffer cache (32 MB) and the heap glibc keeps between steps (it grows
-with the step). Peak RSS minus MLX's peak measured (MiB, session 51, AMD EPYC, 2 cores, the
-recipe as users run it): 164-345 on a 10-block Gemma 4 E2B shape (32,768 rows; 1 x 256 to
-4 x 256 and 1 x 1024; held in blocks or float32; LoRA q or 7 targets), 186 and 216 on
-SmolLM2-135M at 4 x 256, 246 on the Llama-3.2-1B shape (1 x 512, --grad-checkpoint, blocks);
-session 50's E2B shape with 262,144 rows (its tokenizer) 425 and session 33's Llama-3.2-3B shape
-(1 x 512, --grad-checkpoint) 0.54 GB, the most: this allowance keeps that step's estimate
-within 5% under its RSS and the E2B shape's 1 x 256 step 15% over. (It was 600 MiB, from 0.37-0.58
-GiB measured on SmolLM2 LoRA runs when the estimate was written: 46% over that 1 x 256 step.)"""
+RUNTIME_BYTES = 160 * 2**20
+"""What a run's RSS holds beyond MLX's arrays and the tokenizer whatever the model: the
+interpreter and libraries, the data, the GGUF's mapped header, MLX's buffer cache (32 MB).
+Measured (session 57, AMD EPYC, 2 cores shared, the recipe as users run it; /proc/self/status
+and glibc's mallinfo2 sampled every 10 ms): 86 MiB outside the heap (37 of it file pages) and
+48-83 MiB of the heap in use beyond MLX's arrays, on SmolLM2-135M and the Llama-3.2-1B shape.
+Until session 57 one fixed 448 MiB stood for all of the runtime: the Llama-3.1-8B shape's
+1 x 512 --grad-checkpoint step was estimated 9% under its peak RSS."""
+TOKENIZER_BYTES = 1024
+"""Bytes a run holds per vocabulary token for the tokenizer and the header's token lists
+(`Tokenizer.from_metadata`; measured: 33 MiB for SmolLM2's 49,152 tokens, 101 for Qwen2's
+151,936, 234 for Gemma 4's 262,144)."""
+HEAP_BYTES = 6656
+"""Bytes of RSS per block and model width (`n_layers * d_model`) beyond MLX's peak, the
+tokenizer and `RUNTIME_BYTES`: the heap glibc keeps above what is in use (a step's freed
+buffers stay with the process, `toymlx.backend.device.tune_malloc`) and MLX's peak beyond the
+other parts' count. Peak RSS less MLX's peak, measured (MiB; AMD EPYC, 2 cores): SmolLM2-135M
+(30 x 576) 150 at 1 x 256, 165-292 at 4 x 256 and 8 x 128; the Llama-3.2-1B shape (16 x 2048)
+248 at 1 x 512 --grad-checkpoint held in blocks, 203 without it held as float32; the 3B
+(28 x 3072) 405 (553 in session 56) and the 8B (32 x 4096) 792 (session 56), at 1 x 512
+--grad-checkpoint: at most about 55 + 6 KiB per block and width, by neither the file's size
+nor the base's (the 1B held as 4 GB of float32 kept less than in 0.65 GB of blocks); it varies
+by 150 MiB from run to run (the 3B). This and the fixed parts put the 8B's step 1.4% over its
+peak RSS, the 3B's 9-17%, SmolLM2's LoRA q steps 7-19%."""
 HEAD_LOGITS_COPIES = 6
 """float32 copies of a frozen head's slice of logits alive at once in the loss
 (`toymlx.models.losses.frozen_head_cross_entropy`: the logits, their exponentials, the
@@ -119,7 +134,7 @@ class Estimate:
     activations: int
     logits: int
     decoded: int
-    runtime: int = RUNTIME_BYTES
+    runtime: int
 
     @property
     def total(self) -> int:
@@ -215,13 +230,20 @@ def _target_inputs(a: LlamaArgs, targets: tuple[str, ...], d: int, f: int, q: in
     """Values per token a block keeps for its adapters' gradients beyond what its backward pass
     keeps anyway: `o`'s input (the attention's output), the MLP norm's output (gate's and up's
     input) and `down`'s input (the activation times up); a mixture of experts' are counted in
-    its MLP. LoRA q,k,v,o,gate,up,down kept, above LoRA q (MLX's count, less the adapters'
-    own), 2,453 float32 values a token and block on the SmolLM2-135M shape (as
-    `BLOCK_D_VALUES`, 1 x 256; these count 2,688), 13,760 on the 10-block gemma4 shape of
-    `GEMMA4_BLOCK_D_VALUES` at 4 x 256 (these count 13,209)."""
+    its MLP; gemma4's `ple_gate`'s input (the block's residual after its MLP, d wide) and
+    `ple_proj`'s (the per-layer branch's GELU product, per_layer_dim wide). Those two measured
+    (`benchmarks/kept_values.py --gemma4`, 1 x 256, against LoRA q; AMD EPYC, 2 cores shared):
+    ple_gate 1,292 float32 values a token and block (counted 1,536), ple_proj within the
+    measurement's noise (-628; counted 256), both 1,172 (counted 1,792). LoRA
+    q,k,v,o,gate,up,down kept, above LoRA q (MLX's count, less the adapters' own), 2,453
+    float32 values a token and block on the SmolLM2-135M shape (as `BLOCK_D_VALUES`, 1 x 256;
+    these count 2,688), 13,760 on the 10-block gemma4 shape of `GEMMA4_BLOCK_D_VALUES` at
+    4 x 256 (these count 13,209)."""
     return ((q if "o" in targets else 0)
             + (d if {"gate", "up", "gate_up"} & set(targets) and not a.n_experts else 0)
-            + (f if "down" in targets and not a.n_experts else 0))
+            + (f if "down" in targets and not a.n_experts else 0)
+            + (d if "ple_gate" in targets else 0)
+            + (a.per_layer_dim if "ple_proj" in targets else 0))
 
 
 def base_bytes(g: GGUFFile, held: str, trained: frozenset[str] = frozenset()) -> int:
@@ -291,7 +313,14 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
                    and tensor_route(g, name, held, train) == "blocks"), default=0)
     decoded = max(min(largest, ops.decode_slice or largest) * DECODED_COPIES,
                   experts * EXPERT_DECODED_COPIES) * 4 * streams
-    return Estimate(base, trained, acts, logits, decoded)
+    return Estimate(base, trained, acts, logits, decoded, runtime_bytes(a))
+
+
+def runtime_bytes(a: LlamaArgs) -> int:
+    """What a run of the model `a` holds beyond MLX's arrays at its peak: `RUNTIME_BYTES`, the
+    tokenizer's `TOKENIZER_BYTES` a vocabulary token and `HEAP_BYTES` a block and unit of
+    width."""
+    return RUNTIME_BYTES + TOKENIZER_BYTES * a.vocab_size + HEAP_BYTES * a.n_layers * a.d_model
 
 
 def step_streams(requested: int, batch_size: int) -> int:
