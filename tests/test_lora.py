@@ -155,6 +155,27 @@ def test_llama_cpp_s_tensor_names_are_named_as_toymlx_s(tiny_gguf, tmp_path, cap
     assert not (tmp_path / "t").exists()
 
 
+@pytest.mark.parametrize("targets,whose,said", [
+    ("Q,V", "upper case", "q,v"),
+    ("q,V", "upper case", "q,v"),
+    ("all", "LLaMA-Factory's all", "all-linear"),
+])
+def test_targets_spelt_otherwise_are_named_as_toymlx_s(targets, whose, said):
+    """Upper case (`Q,V`) and LLaMA-Factory's `all` were refused as unknown with no word of the
+    names meant; the line now says them in toymlx's spelling. A name toymlx does not know in any
+    case gets no hint."""
+    from toymlx.models.lora import parse_targets
+
+    with pytest.raises(ValueError) as e:
+        parse_targets(targets)
+    bad = next(t for t in targets.split(",") if t != t.lower() or t == "all")
+    assert str(e.value).endswith(f"found unknown target {bad!r} ({whose}; toymlx's are "
+                                 f"--lora.targets {said})")
+    with pytest.raises(ValueError) as e:
+        parse_targets("Q,Bogus")
+    assert str(e.value).endswith("found unknown target 'Q'")
+
+
 def test_all_linear_is_every_projection_the_base_s_blocks_have(tiny_gguf):
     """--lora.targets all-linear (PEFT's target_modules, mlx-lm's default without keys) resolved
     against the base: a dense llama's seven projections, phi3's fused four, qwen35's full- and

@@ -237,10 +237,23 @@ def parse_targets(targets: str | Sequence[str],
         whose, said = "Hugging Face's names", hf_targets(names)
         if said is None and gguf_names:
             whose, said = "llama.cpp's tensor names", toymlx_targets(names, gguf_names)
+        if said is None:
+            whose, said = other_spelling(names)
         raise ValueError(f"--lora.targets: expected a comma list of {allowed}; found "
                          f"unknown target {bad[0]!r}"
                          + (f" ({whose}; toymlx's are --lora.targets {said})" if said else ""))
     return tuple(dict.fromkeys(names))
+
+
+def other_spelling(names: Sequence[str]) -> tuple[str, str | None]:
+    """(whose spelling, the list in toymlx's) of target names toymlx knows spelt otherwise:
+    upper case (`Q,V`), or LLaMA-Factory's `all` for every linear layer; (.., None) else."""
+    said = [ALL_LINEAR if t.lower() == "all" else t.lower() for t in names]
+    if said == list(names) or any(t not in TARGETS and t not in (ALL_LINEAR, MLX_LM_DEFAULT)
+                                  for t in said):
+        return "", None
+    return ("LLaMA-Factory's all" if ALL_LINEAR in said and "all" in [t.lower() for t in names]
+            else "upper case"), ",".join(said)
 
 
 def all_linear(a: LlamaArgs) -> tuple[str, ...]:
