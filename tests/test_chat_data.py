@@ -311,6 +311,23 @@ def test_prompt_completion_without_template_trains_completion_only():
     assert tokenize_example(ex, tok, mask_prompt=False) == (ids, [1] * 6)
 
 
+def test_messages_without_a_template_name_the_model_file():
+    """Chat rows on a tokenizer without a chat template: the line named the data file and "this
+    one" (which?); it names the file the tokenizer came from and the key it lacks."""
+    from toymlx.data.chat import DataError
+
+    tok = FakeTokenizer(chat_template=None)
+    tok.source = "base.gguf"
+    ex = Example("f:1", messages=[{"role": "user", "content": "hi"},
+                                  {"role": "assistant", "content": "yo"}])
+    with pytest.raises(DataError) as e:
+        tokenize_example(ex, tok, mask_prompt=True)
+    assert str(e.value) == (
+        "f:1: 'messages' examples need a chat template, and base.gguf has none (no "
+        "tokenizer.chat_template); use 'text' or 'prompt'/'completion' examples, or a base that "
+        "has one")
+
+
 def test_prompt_completion_with_template_hand_computed_positions():
     ids, mask = tokenize_example(Example("f:1", prompt="ab", completion="cd"), FakeTokenizer(),
                                  mask_prompt=True)

@@ -954,8 +954,10 @@ def _message_pieces(
     for the last) trains that turn as the full render writes it (`_history_span`).
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"{source}: 'messages' examples need a tokenizer with a chat template, "
-                        f"and this one has none; use 'text' or 'prompt'/'completion' examples")
+        whose = getattr(tokenizer, "source", None) or "this tokenizer"
+        raise DataError(f"{source}: 'messages' examples need a chat template, and {whose} has "
+                        "none (no tokenizer.chat_template); use 'text' or 'prompt'/'completion' "
+                        "examples, or a base that has one")
     if tools and not template_takes_tools(tokenizer.chat_template):
         raise DataError(f'{source}: "tools": expected a chat template that renders tools, found '
                         f"one that never reads them (they would be dropped); remove the "
