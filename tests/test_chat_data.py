@@ -314,8 +314,6 @@ def test_prompt_completion_without_template_trains_completion_only():
 def test_messages_without_a_template_name_the_model_file():
     """Chat rows on a tokenizer without a chat template: the line named the data file and "this
     one" (which?); it names the file the tokenizer came from and the key it lacks."""
-    from toymlx.data.chat import DataError
-
     tok = FakeTokenizer(chat_template=None)
     tok.source = "base.gguf"
     ex = Example("f:1", messages=[{"role": "user", "content": "hi"},
