@@ -478,10 +478,13 @@ def test_timm_s_train_and_val_folders_are_splits_not_classes(tmp_path):
     d = load_images(str(root), 0.25, image_size=8)
     assert (len(d.train_y), len(d.val_y)) == (9, 3) and d.test_y is None
     assert d.notes == [(f"{root}: test/, train/ are splits (timm's layout), not classes: "
-                        f"training on {root / 'train'}, validating on a fixed 0.25 of it "
-                        "(--data.val-fraction; no val/, valid/, validation/, eval/, "
-                        f"evaluation/ folder); {root / 'test'} is scored only by "
+                        f"training on {root / 'train'}, no val/, valid/, validation/, eval/, "
+                        f"evaluation/ folder; {root / 'test'} is scored only by "
                         f"--data.test-path {root / 'test'} --test")]
+    assert d.split_note == (f"{root}: no validation set given: a fixed seeded 3 of its 12 images "
+                            "(--data.val-fraction 0.25) validate and are not trained on; to "
+                            f"give one: a {root}/val/ folder of class subfolders, or "
+                            "--data.val-path DIR")
     # classes that happen to be called train and test, holding images: classes
     flat = tmp_path / "flat"
     for name in ("train", "test"):
@@ -495,6 +498,31 @@ def test_timm_s_train_and_val_folders_are_splits_not_classes(tmp_path):
         load_images(str(root), image_size=8)
     assert str(e.value) == (f"{root}: expected one val folder (timm's layout), found val/ and "
                             "validation/; merge or rename one")
+
+
+def test_one_folder_says_how_many_images_its_seeded_split_holds_out(tmp_path):
+    """One folder of class subfolders, no split given: the run held out a seeded 10% without a
+    word. One line now counts them (round(30 x 0.1) = 3 of 30, the validation split's size) and
+    names how to give a split; one that rounds to none says the run validates nothing."""
+    root = make_image_folder(tmp_path / "set", per_class=10)
+    d = load_images(str(root), image_size=8)
+    assert (len(d.train_y), len(d.val_y)) == (27, 3)
+    assert d.split_note == (f"{root}: no validation set given: a fixed seeded 3 of its 30 "
+                            "images (--data.val-fraction 0.1) validate and are not trained on; "
+                            "to give one: --data.val-path DIR, or --data.path a folder of "
+                            "train/ and val/ (timm's layout)")
+    d = load_images(str(root), 0.04, image_size=8)  # 30 x 0.04 = 1.2: one image
+    assert len(d.val_y) == 1 and "a fixed seeded 1 of its 30 images (--data.val-fraction " \
+        "0.04) validates and is not trained on" in d.split_note
+    d = load_images(str(root), 0.01, image_size=8)  # 0.3 rounds to none
+    assert len(d.val_y) == 0 and d.split_note.startswith(
+        f"{root}: no validation set given: --data.val-fraction 0.01 of its 30 images holds out "
+        "none, so the run validates nothing; ")
+    # a split given (--data.val-path), an evaluation (classes given), the digits: no such line
+    val = make_image_folder(tmp_path / "val", per_class=2, seed=1)
+    assert load_images(str(root), val_path=str(val), image_size=8).split_note is None
+    assert load_images(str(root), image_size=8, classes=list(CLASSES)).split_note is None
+    assert load_images().split_note is None
 
 
 def test_linked_subfolders_are_read_and_a_dangling_link_is_named(tmp_path):

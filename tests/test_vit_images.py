@@ -51,6 +51,10 @@ def test_image_folder_trains_resumes_exactly_classifies_and_evaluates(tmp_path, 
            "--data.cutmix", "1.0",
            "--data.mixup", "0.4", "--steps", "6", "--checkpoint-every", "3", "--eval-every", "3"]
     full = _train(tmp_path, "full", folder, *aug)
+    # one folder, no split given: its seeded hold-out is said at the start (round(30 x 0.1))
+    assert (f"toymlx: {folder}: no validation set given: a fixed seeded 3 of its 30 images "
+            "(--data.val-fraction 0.1) validate and are not trained on; to give one: "
+            "--data.val-path DIR" in capsys.readouterr().err)
     part = _train(tmp_path, "part", folder, *aug, "--stop-at", "3", "--data.workers", "0")
     assert train_main(["--resume", str(part), "--no-progress"]) == 0
     assert _losses(part) == _losses(full) and len(_losses(full)) == 6  # bit-identical

@@ -397,6 +397,9 @@ class ImageSet:
     """The same for the test set (`test_path`)"""
     notes: list[str] = field(default_factory=list)
     """Lines for the console about the data as loaded (classes with no training image)"""
+    split_note: str | None = None
+    """A training set given without validation images: the line saying how many images its
+    fixed seeded split holds out and how to give a split instead (`seeded_split_note`)"""
     _perms: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
 
     @property
@@ -636,6 +639,7 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
     y = _map_classes(raw, names, raw.source)
     if classes is None:  # a training set (an evaluation maps into the checkpoint's classes)
         check_classes(raw, y, names)
+    seeded = None  # the line saying a seeded split's size, where one is taken
     if val_path is not None:
         train_idx, val_idx = np.arange(raw.n_train or len(raw.x)), None
         val = _held_out(val_path, "--data.val-path", raw.x, names, stream, workers)
@@ -645,6 +649,9 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
             perm = np.random.default_rng(SPLIT_SEED).permutation(len(raw.x))
             n_val = round(len(raw.x) * val_fraction)
             val_idx, train_idx = np.sort(perm[:n_val]), np.sort(perm[n_val:])
+            if path is not None:  # data given without a split of its own (not the digits)
+                seeded = seeded_split_note(raw.source, n_val, len(raw.x), val_fraction,
+                                           layout is not None)
         else:
             train_idx, val_idx = np.arange(raw.n_train), np.arange(raw.n_train, len(raw.x))
         val_x, val_y, val_scale, held_notes = _take(raw.x, val_idx), y[val_idx], None, []
@@ -665,8 +672,10 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
         out.notes = [n for n in [classes_note(raw, out.train_y, len(names)),
                                  val_path and unscored_note(val.source, out.val_y, names)] if n]
     out.notes[:0] = raw.notes + held_notes + (test.notes if test is not None else [])
-    if layout is not None and classes is None:  # training on it (an evaluation trains nothing)
-        out.notes.insert(0, layout_note)
+    if classes is None:  # training on it (an evaluation trains nothing)
+        out.split_note = seeded
+        if layout is not None:
+            out.notes.insert(0, layout_note)
     return out
 
 
@@ -682,9 +691,8 @@ def split_layout(path: str, val_path: str | None, val_fraction: float,
     if val_path is None and "val" in found:
         val_path = str(found["val"])
         val = f"validating on {val_path}"
-    elif val_path is None:
-        val = (f"validating on a fixed {val_fraction:g} of it (--data.val-fraction; no "
-               f"{'/, '.join(SPLIT_NAMES['val'])}/ folder)")
+    elif val_path is None:  # the seeded split of train/, said by the next line
+        val = f"no {'/, '.join(SPLIT_NAMES['val'])}/ folder"
     else:
         val = f"validating on --data.val-path {val_path}"
     test = (f"; {found['test']} is scored only by --data.test-path {found['test']} --test"
@@ -692,6 +700,21 @@ def split_layout(path: str, val_path: str | None, val_fraction: float,
     return str(train), val_path, (f"{path}: {', '.join(d.name + '/' for d in found.values())} "
                                   f"are splits (timm's layout), not classes: training on {train}, "
                                   f"{val}{test}")
+
+
+def seeded_split_note(source: str, n_val: int, n: int, val_fraction: float,
+                      layout: bool) -> str:
+    """The line a training run prints where its data gave no validation set and a fixed
+    seeded part of it validates (`SPLIT_SEED`): how many of how many images, and how to give a
+    split instead (`layout`: the source is a folder in timm's layout lacking its val/)."""
+    give = (f"a {source}/val/ folder of class subfolders, or --data.val-path DIR" if layout
+            else "--data.val-path DIR, or --data.path a folder of train/ and val/ (timm's layout)")
+    held = (f"a fixed seeded {n_val} of its {counted(n, 'image')} (--data.val-fraction "
+            f"{val_fraction:g}) {'validates and is' if n_val == 1 else 'validate and are'} not "
+            "trained on" if n_val else
+            f"--data.val-fraction {val_fraction:g} of its {counted(n, 'image')} holds out none, "
+            "so the run validates nothing")
+    return f"{source}: no validation set given: {held}; to give one: {give}"
 
 
 def check_classes(raw: Raw, y: np.ndarray, names: Sequence[str]) -> None:

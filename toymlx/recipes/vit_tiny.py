@@ -287,7 +287,7 @@ def build(cfg: Config, ops: Ops) -> Task:
     data = load_images(d.path, d.val_fraction, val_path=d.val_path,
                        test_path=d.test_path if cfg.test else None, image_size=d.image_size,
                        channels=d.channels, stream=d.stream, workers=max(d.workers, 1))
-    for note in data.notes:
+    for note in data.notes + [data.split_note] * bool(data.split_note):
         print(f"toymlx: {note}", file=sys.stderr)
     data.augment = augment_for(d, data.image_shape, len(data.train_x))
     check_batch_fits(cfg.batch_size, {"train_images": len(data.train_x),
