@@ -140,6 +140,52 @@ def test_the_class_map_numbers_timm_s_folders_as_the_model_does(tmp_path):
                                     ).class_to_idx == {n: i for i, n in enumerate(names)}
 
 
+def test_a_class_name_timm_s_class_map_reader_changes_is_refused_before_training(tmp_path):
+    """Class folders " cat" and "frog " trained as those names, but timm reads the exported
+    class_map.txt with each line stripped: its classes were "cat" and "frog", its folder reader
+    matched the " cat" folder's images to no class. Such a name is now refused at training
+    start (one line: the class, what timm reads, the rename); a name timm's reader gives back
+    as it is (inner spaces, a non-breaking space inside) still trains and exports."""
+    from image_files import make_image_folder
+
+    from toymlx.data.image_folder import ImageDataError
+    from toymlx.data.images import load_images
+
+    class_map = pytest.importorskip("timm.data.readers.class_map",
+                                    reason="timm: the reader the map is for")
+    reader = pytest.importorskip("timm.data.readers.reader_image_folder")
+    data = make_image_folder(tmp_path / "data", per_class=1)
+    (data / "cat").rename(data / " cat")
+    (data / "frog").rename(data / "frog ")
+    # the premise, from timm's own reader: the names a class_map.txt of them gives back differ
+    lines = tmp_path / "as_written.txt"
+    lines.write_text("bird\n cat\nfrog \n")  # the export's format: one name a line
+    assert class_map.load_class_map(str(lines)) == {"bird": 0, "cat": 1, "frog": 2}
+    assert reader.ReaderImageFolder(str(data), class_map=str(lines)).samples == [
+        (str(data / "bird" / "00.png"), 0)]  # the " cat" and "frog " images: in no class
+    with pytest.raises(ImageDataError) as e:
+        load_images(str(data), image_size=8)
+    assert str(e.value) == (f"{data}: class ' cat': expected a class name that reads back as "
+                            "itself from the class_map.txt toymlx-export writes for timm, found "
+                            "whitespace at its ends, which timm's reader strips ('cat'); "
+                            "rename the folder to 'cat'")
+    (data / " cat").rename(data / "cat")
+    (data / "frog ").rename(data / "tree\nfrog")
+    with pytest.raises(ImageDataError, match=r"class 'tree\\nfrog': .* found a line break in "
+                       r"it, which splits its line; rename the folder to 'tree frog'$"):
+        load_images(str(data), image_size=8)
+    (data / "tree\nfrog").rename(data / "big\xa0cat")
+    (data / "bird").rename(data / "tree  frog")
+    d = load_images(str(data), image_size=8)
+    assert d.class_names == ["big\xa0cat", "cat", "tree  frog"]
+    args = ViTArgs(**{**ARGS.__dict__, "num_classes": 3})
+    write_vit(tmp_path / "m.gguf", ViT(args), NORM, class_names=d.class_names)
+    assert export_main(["--model", str(tmp_path / "m.gguf"), "--format", "safetensors",
+                        "--out", str(tmp_path / "vit")]) == 0
+    assert class_map.load_class_map(str(tmp_path / "vit" / "class_map.txt")) == {
+        n: i for i, n in enumerate(d.class_names)}
+
+
 def test_a_failed_export_leaves_nothing_it_wrote(tmp_path, capsys, monkeypatch):
     """A config.json that cannot be written (a full disk) takes model.safetensors along and the
     folders the export made (an existing folder keeps only what it held); a .safetensors file

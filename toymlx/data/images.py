@@ -628,6 +628,8 @@ def load_images(path: str | None = None, val_fraction: float = 0.1,
                                                        test_path)
     raw = _load_raw(layout[0] if layout else path, image_size, channels, stream, workers,
                     1 if classes else 2)
+    if classes is None:  # a training set's names become the model's (and timm's class map)
+        check_class_names(raw.source, raw.class_names)
     if layout is not None:  # named as given: "data/ (val)" is its val/ folder
         raw.source, val_path, layout_note = str(path), layout[1], layout[2]
     raw.x = _conform(raw.x, image_size, channels, raw.source)
@@ -726,6 +728,25 @@ def check_classes(raw: Raw, y: np.ndarray, names: Sequence[str]) -> None:
                              f"found 1 ({names[int(found[0])]!r} for all "
                              f"{counted(len(y), 'image')}); a classifier needs two or more "
                              "classes")
+
+
+def check_class_names(source: str, names: Sequence[str]) -> None:
+    """ImageDataError naming the first class whose name a class_map.txt cannot carry as it is:
+    spaces (any whitespace) at its ends, which timm's reader (`load_class_map`: each line
+    `.strip()`ped) drops, so timm's class " cat" would be "cat" and its folder's images matched
+    to no class; or a line break, which splits its line. Refused before training, while the
+    fix is a folder's rename; torchvision would keep the name, timm would not."""
+    for name in names:
+        if name == name.strip() and "\n" not in name and "\r" not in name:
+            continue
+        fixed = " ".join(name.split())
+        fault = ("a line break in it, which splits its line" if name.strip() == name else
+                 f"whitespace at its ends, which timm's reader strips ({name.strip()!r})")
+        fix = (f"merge its images into the folder {fixed!r}" if fixed in names else
+               f"rename the folder to {fixed!r}" if fixed else "rename the folder")
+        raise ImageDataError(f"{source}: class {name!r}: expected a class name that reads back "
+                             "as itself from the class_map.txt toymlx-export writes for timm, "
+                             f"found {fault}; {fix}")
 
 
 def classes_note(raw: Raw, train_y: np.ndarray, num_classes: int) -> str | None:
