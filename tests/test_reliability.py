@@ -672,6 +672,18 @@ def test_overwrite_takes_an_empty_folder_and_a_run_killed_before_its_first_step(
         f"toymlx-train: {run}: the run of these same options there was killed as it started, "
         "before it trained a step (no step in events.jsonl, no checkpoint): starting it over")
     assert [e["kind"] for e in read_events(run)][:1] == ["run_start"]
+    # killed so with an offline W&B run (its start's line named it to `wandb sync`): its files
+    # go with the rest, and the line says so (it said nothing, the sync line left naming them)
+    events = run / "events.jsonl"  # killed in its first step: run_start alone
+    events.write_text(events.read_text().splitlines(keepends=True)[0])
+    for p in (run / "weights").iterdir():
+        p.unlink()
+    (run / "wandb" / "offline-run-20261205_000000-0123456789abcdef").mkdir(parents=True)
+    capsys.readouterr()
+    assert train(tmp_path, "k", "--steps", "2", data=data) == 0
+    assert capsys.readouterr().err.splitlines()[0].endswith(
+        "starting it over; its offline W&B run goes with it: there is nothing of it to wandb sync")
+    assert not (run / "wandb").exists()
 
 
 def test_resume_with_another_recipe_or_shape_is_refused(tmp_path, capsys, data, stories_path):

@@ -650,6 +650,35 @@ def test_a_removed_run_names_its_online_w_and_b_run_and_takes_its_files(tmp_path
     assert [(r.tags, r.finished) for r in made] == [(("nothing-trained",), 143)]
 
 
+def test_a_removed_run_says_its_offline_w_and_b_files_went_with_it(tmp_path, text_path,
+                                                                   monkeypatch, capsys):
+    """End to end, W&B offline (no login): the line at the start names the offline run's files
+    to `wandb sync`; a new run stopped in --eval-at-start's pass is then removed, those files
+    with it, and its last line said only "nothing was trained", leaving the sync line naming a
+    path that is gone. The last line now says the offline W&B run went with the folder."""
+    wandb = pytest.importorskip("wandb", reason="the wandb extra")
+    for var in ("WANDB_API_KEY", "WANDB_PROJECT", "WANDB_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    home_elsewhere(monkeypatch, tmp_path)
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    _stopped_in_the_validation_at_step_0(monkeypatch)
+    runs = tmp_path / "runs"
+    try:
+        assert main(["--recipe", "from-scratch", *TINY, "--data.path", str(text_path),
+                     "--runs-root", str(runs), "--run-id", "r", "--report-to", "wandb",
+                     "--eval-at-start"]) == 143
+    finally:
+        wandb.teardown()
+    err = capsys.readouterr().err.splitlines()
+    assert f"upload it with: wandb sync {runs / 'r' / 'wandb'}/offline-run-*" in "\n".join(err)
+    assert err[-1] == ("toymlx-train: stopped by SIGTERM before the first step; nothing was "
+                       "trained; its offline W&B run went with its folder: there is nothing to "
+                       "wandb sync")
+    assert not runs.exists()
+
+
 def test_a_resumes_tensorboard_file_is_read_after_its_runs(tmp_path):
     """TensorBoard reads a run folder's event files in name order
     (`events.out.tfevents.SECONDS.HOST.PID.N`, N not zero-padded): a resume's writer made by

@@ -30,7 +30,7 @@ from toymlx.bundle.inputs import (
 )
 from toymlx.bundle.model_store import hf_name_hint, is_store_name
 from toymlx.bundle.options import RunError, flag_name, found_text, option
-from toymlx.bundle.reporters import online_wandb
+from toymlx.bundle.reporters import offline_wandb, online_wandb
 
 CONFIG_FILE = "config.json"
 CONFIG_KEYS = frozenset({"format", "recipe", "config", DATA_FILES_KEY, MODEL_FILES_KEY})
@@ -226,7 +226,9 @@ def started_over(run_dir: Path, options: Any) -> str | None:
     return (f"{run_dir}: the run of these same options there {when}, before it trained a step "
             "(no step in events.jsonl, no checkpoint): starting it over"
             + ("; its W&B run stays on W&B's server, which marks it crashed"
-               if online_wandb(run_dir) else ""))
+               if online_wandb(run_dir) else
+               "; its offline W&B run goes with it: there is nothing of it to wandb sync"
+               if offline_wandb(run_dir) else ""))
 
 
 def not_written_by_toymlx(run_dir: Path) -> list[str]:

@@ -238,6 +238,12 @@ def online_wandb(run_dir: Path) -> bool:
     return any((Path(run_dir) / "wandb").glob("run-*"))
 
 
+def offline_wandb(run_dir: Path) -> bool:
+    """Whether the run folder holds an offline W&B run (`wandb/offline-run-*`, the files the
+    start's `wandb sync` line names): nothing of it is on a server, so it goes with the folder."""
+    return any((Path(run_dir) / "wandb").glob("offline-run-*"))
+
+
 class WandbReporter:
     """One W&B run named after the run id, its files under `<run>/wandb` (offline without a
     login: `wandb_mode`); run_start's config becomes the W&B run's config. A resume (its first

@@ -34,7 +34,7 @@ from toymlx.bundle.folder import prepare_run_dir, save_config
 from toymlx.bundle.inputs import MODEL_OPTIONS, data_paths
 from toymlx.bundle.options import RunError, default_run_id, flag_name, option
 from toymlx.bundle.outputs import check_output
-from toymlx.bundle.reporters import NOTHING_TRAINED, online_wandb
+from toymlx.bundle.reporters import NOTHING_TRAINED, offline_wandb, online_wandb
 from toymlx.bundle.resume import Resume
 from toymlx.models.layers import check_checkpointable
 from toymlx.models.ops import Ops, training_ops
@@ -167,7 +167,9 @@ def _ended(run: _Prepared, end: dict) -> int:
         _final_line(run.run_dir, end)
         return int(end["exit_code"])
     kept = (f"; its W&B run stays on W&B's server, tagged {NOTHING_TRAINED}"
-            if online_wandb(run.run_dir) else "")
+            if online_wandb(run.run_dir) else
+            "; its offline W&B run went with its folder: there is nothing to wandb sync"
+            if offline_wandb(run.run_dir) else "")
     remove_new_run(run.run_dir, run.made)
     what, code = stop_outcome(signal.Signals[end.get("signal") or "SIGINT"])
     print(f"toymlx-train: {what} before the first step; nothing was trained{kept}",
