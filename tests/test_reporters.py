@@ -584,18 +584,24 @@ def _stopped_in_the_validation_at_step_0(monkeypatch) -> None:
     monkeypatch.setattr(Evaluator, "__call__", stopped)
 
 
-def test_a_new_run_stopped_before_its_first_step_tags_its_w_and_b_run(tmp_path, monkeypatch):
-    """A new run stopped before its first step is removed, folder and all (its offline W&B run
-    in wandb/ with it), but an online W&B run stayed on the server, finished like any other,
-    nothing telling it from a run that trained. Now it is tagged nothing-trained (W&B's own
-    file records it); a resumed run's segment, or a run that trained a step, is not."""
-    wandb = pytest.importorskip("wandb", reason="the wandb extra")
+def wandb_offline(monkeypatch, tmp_path) -> None:
+    """W&B offline (WANDB_MODE), no login nor project from the environment, its cache and
+    config under `tmp_path`."""
     for var in ("WANDB_API_KEY", "WANDB_PROJECT", "WANDB_DIR"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
     home_elsewhere(monkeypatch, tmp_path)
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+
+
+def test_a_new_run_stopped_before_its_first_step_tags_its_w_and_b_run(tmp_path, monkeypatch):
+    """A new run stopped before its first step is removed, folder and all (its offline W&B run
+    in wandb/ with it), but an online W&B run stayed on the server, finished like any other,
+    nothing telling it from a run that trained. Now it is tagged nothing-trained (W&B's own
+    file records it); a resumed run's segment, or a run that trained a step, is not."""
+    wandb = pytest.importorskip("wandb", reason="the wandb extra")
+    wandb_offline(monkeypatch, tmp_path)
     ends = {"new": ("run_start", 0), "resumed": ("resume", 0), "trained": ("run_start", 1)}
     for name, (first, step) in ends.items():
         run = tmp_path / name
@@ -657,12 +663,7 @@ def test_a_removed_run_says_its_offline_w_and_b_files_went_with_it(tmp_path, tex
     with it, and its last line said only "nothing was trained", leaving the sync line naming a
     path that is gone. The last line now says the offline W&B run went with the folder."""
     wandb = pytest.importorskip("wandb", reason="the wandb extra")
-    for var in ("WANDB_API_KEY", "WANDB_PROJECT", "WANDB_DIR"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    home_elsewhere(monkeypatch, tmp_path)
-    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))
+    wandb_offline(monkeypatch, tmp_path)
     _stopped_in_the_validation_at_step_0(monkeypatch)
     runs = tmp_path / "runs"
     try:
