@@ -408,3 +408,29 @@ def test_test_of_a_text_folder_says_it_has_no_test_split(tmp_path):
         f"--test: expected --data.path to be a data folder with test.jsonl, found {folder}, a "
         "folder of text files, one text with no test split (give a folder with train.jsonl and "
         "test.jsonl, mlx-lm's layout)")
+
+
+def test_a_folder_of_text_files_records_the_files_it_reads_not_a_hidden_folders(tmp_path):
+    """config.json recorded the files in hidden folders that the run never read (Jupyter's
+    .ipynb_checkpoints/ copy), so Jupyter saving a checkpoint stopped --resume and toymlx-eval
+    with ".ipynb_checkpoints/a-checkpoint.md changed". The record names the files read, and an
+    edit in a hidden folder leaves it as it was; an edit to a file read still changes it."""
+    from toymlx.bundle.inputs import fingerprint, same_data
+    from toymlx.data.chat import TEXT_SUFFIXES, text_folder_files
+
+    folder, _ = _book(tmp_path)
+    rec = fingerprint(folder, only=TEXT_SUFFIXES, each=True)
+    read = [p.relative_to(folder).as_posix() for p in text_folder_files(folder)]
+    assert sorted(rec["files"]) == read == ["a.md", "b.txt", "part 2/c.TXT"]
+    (folder / ".ipynb_checkpoints" / "a-checkpoint.md").write_text("# Chapter one, edited\n")
+    (folder / ".git").mkdir()
+    (folder / ".git" / "notes.txt").write_text("a file git keeps\n")
+    assert fingerprint(folder, only=TEXT_SUFFIXES, each=True) == rec
+    assert same_data(folder, rec, TEXT_SUFFIXES)[0]
+    # a run recorded before: its record holds the hidden folder's file too, and still resumes
+    was = {**rec, "bytes": rec["bytes"] + 14, "sha256": "0" * 64, "files": {
+        **rec["files"], ".ipynb_checkpoints/a-checkpoint.md": {"bytes": 14, "sha256": "0" * 64}}}
+    assert same_data(folder, was, TEXT_SUFFIXES)[0]
+    (folder / "b.txt").write_text("Chapter two, edited.\n")
+    assert not same_data(folder, rec, TEXT_SUFFIXES)[0]
+    assert not same_data(folder, was, TEXT_SUFFIXES)[0]

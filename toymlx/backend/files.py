@@ -121,6 +121,14 @@ def not_utf8(text: str) -> str | None:
     return None
 
 
+def hidden_below(name: Path, folder: str | os.PathLike) -> bool:
+    """Whether `name`, a path `names_below(folder)` gave, is hidden there: its own name or a
+    folder on its way down from `folder` starts with "." (`.draft.txt`, Jupyter's
+    `.ipynb_checkpoints/a.md`, `.git/`). Data folders skip such names, both where they are
+    read and where they are fingerprinted, so an edit there neither trains nor stops a resume."""
+    return any(part.startswith(".") for part in name.relative_to(folder).parts)
+
+
 def names_below(folder: str | os.PathLike) -> Iterator[Path]:
     """Every name below `folder` that is not a folder (files, links to nothing, FIFOs: the
     caller decides), through linked subfolders as torchvision's ImageFolder walks them, each

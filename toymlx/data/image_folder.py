@@ -26,6 +26,7 @@ from PIL import Image, UnidentifiedImageError
 from toymlx.backend.files import (
     IMAGE_MAGIC,
     counted,
+    hidden_below,
     names_below,
     not_utf8,
     shortlist,
@@ -210,8 +211,8 @@ def images_below(folder: Path) -> list[Path]:
 
 
 def files_below(folder: Path) -> tuple[list[Path], list[Path]]:
-    """(the image files below `folder` (by extension), the other files), hidden names skipped
-    in both, sorted, as `names_below` walks it (through linked subfolders, as torchvision's
+    """(the image files below `folder` (by extension), the other files), hidden names (and
+    what hidden folders hold, `hidden_below`) skipped in both, sorted, as `names_below` walks it (through linked subfolders, as torchvision's
     ImageFolder does); ImageDataError naming an image name that is a FIFO, a device or a
     socket (opening it could wait forever) or a link to nothing: skipping either would drop an
     image without a word. The other files (a notes.txt, a Thumbs.db, an iPhone's .heic, a
@@ -222,7 +223,7 @@ def files_below(folder: Path) -> tuple[list[Path], list[Path]]:
     except ValueError as e:  # a link back up the tree
         raise ImageDataError(str(e)) from None
     for p in below:
-        if p.name.startswith("."):
+        if hidden_below(p, folder):
             continue
         if p.suffix.lower() not in IMAGE_EXTENSIONS:
             if p.is_file():
