@@ -434,3 +434,21 @@ def test_a_folder_of_text_files_records_the_files_it_reads_not_a_hidden_folders(
     (folder / "b.txt").write_text("Chapter two, edited.\n")
     assert not same_data(folder, rec, TEXT_SUFFIXES)[0]
     assert not same_data(folder, was, TEXT_SUFFIXES)[0]
+
+
+def test_a_folder_of_text_files_names_the_files_it_does_not_read(tmp_path):
+    """A folder's cover.png, script.py and README (no suffix) were left out without a word, so
+    notes kept as .org files trained on nothing of theirs; one line names them, counted by
+    kind, as an image folder's notes.txt is; the hidden ones are not counted."""
+    from toymlx.backend.notice import ToymlxWarning
+    from toymlx.recipes.common import TextData, load_token_data
+
+    folder, _ = _book(tmp_path)
+    (folder / "part 2" / "script.py").write_text("print(1)\n")
+    (folder / "README").write_text("about\n")
+    with pytest.warns(ToymlxWarning) as got:
+        load_token_data(TextData(str(folder), 0.25), byte_tokenizer(), 8)
+    assert [str(w.message) for w in got] == [
+        (f"{folder}: 3 files not read, not named as text (*.txt, *.md, *.text, ...): 1 no "
+         "extension, 1 .png, 1 .py (README, cover.png, part 2/script.py); rename any text "
+         "among them to .txt to train on it")]

@@ -55,7 +55,14 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from toymlx.backend.files import counted, hidden_below, json_fault, names_below, shortlist
+from toymlx.backend.files import (
+    counted,
+    hidden_below,
+    json_fault,
+    names_below,
+    not_read_line,
+    shortlist,
+)
 from toymlx.backend.progress import pass_bar
 from toymlx.data.chat_template import REASONING_FIELDS, system_in_user, system_refused
 from toymlx.data.text import DataError, open_text
@@ -770,6 +777,17 @@ def text_folder_files(path: str | Path) -> list[Path] | None:
                         f"{unread[0].relative_to(path)} too, which would not be read; move it "
                         "out, or name the records train.jsonl (mlx-lm's layout)")
     return files
+
+
+def text_folder_note(path: str | Path, texts: Sequence[Path]) -> str | None:
+    """One line naming the files of a folder of text files that are not read (`texts`: its
+    `text_folder_files`): every other file below it, hidden ones aside (a notes.org, a
+    script.py, a README without a suffix, a cover.png); None for none."""
+    path, read = Path(path), set(texts)
+    others = [p for p in names_below(path)
+              if p.is_file() and not hidden_below(p, path) and p not in read]
+    return not_read_line(path, others, "text", TEXT_SUFFIXES,
+                         "rename any text among them to .txt to train on it")
 
 
 def data_files(path: str | Path) -> DataFiles:

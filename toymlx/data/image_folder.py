@@ -25,9 +25,9 @@ from PIL import Image, UnidentifiedImageError
 
 from toymlx.backend.files import (
     IMAGE_MAGIC,
-    counted,
     hidden_below,
     names_below,
+    not_read_line,
     not_utf8,
     shortlist,
     special_kind,
@@ -245,17 +245,8 @@ def not_read_note(root: Path, others: Sequence[Path]) -> str | None:
     """One line naming the files in `root`'s folders that are not read, their names not an
     image's (`files_below`'s second list), counted by extension; None for none. Left out
     without a word, a class of .heic photos or .jfif downloads trained on what remained."""
-    if not others:
-        return None
-    by_ext: dict[str, int] = {}
-    for f in others:
-        ext = f.suffix.lower() or "no extension"
-        by_ext[ext] = by_ext.get(ext, 0) + 1
-    kinds = ", ".join(f"{n} {ext}" for ext, n in sorted(by_ext.items(), key=lambda e: -e[1]))
-    names = shortlist([str(f.relative_to(root)) for f in others], 3)
-    return (f"{root}: {counted(len(others), 'file')} not read, not named as images "
-            f"(*{', *'.join(IMAGE_EXTENSIONS[:3])}, ...): {kinds} ({names}); convert or rename "
-            "any image among them to a format read")
+    return not_read_line(root, others, "images", IMAGE_EXTENSIONS,
+                         "convert or rename any image among them to a format read")
 
 
 def subfolders(root: Path) -> list[Path]:
