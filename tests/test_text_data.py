@@ -452,3 +452,28 @@ def test_a_folder_of_text_files_names_the_files_it_does_not_read(tmp_path):
         (f"{folder}: 3 files not read, not named as text (*.txt, *.md, *.text, ...): 1 no "
          "extension, 1 .png, 1 .py (README, cover.png, part 2/script.py); rename any text "
          "among them to .txt to train on it")]
+
+
+def test_a_windows_1252_file_is_refused_with_the_iconv_line_that_re_saves_it(tmp_path):
+    """An old Project Gutenberg text in Latin-1 was told "re-save the file as UTF-8" with no
+    way to; a UTF-16 file had its iconv line. A bad byte after ASCII alone is of a single-byte
+    encoding: named as Windows-1252 reads it, with the line (run here: it gives the text). A
+    bad byte after UTF-8 characters is a cut UTF-8 file, told as before."""
+    import subprocess
+
+    path = tmp_path / "gutenberg.txt"
+    path.write_bytes(b"Il \xe9tait une fois.\n")
+    with pytest.raises(DataError) as err:
+        read_text(path)
+    utf8 = tmp_path / "gutenberg-utf8.txt"
+    assert str(err.value) == (
+        f"{path}: not valid UTF-8 at byte offset 3 (line 1, byte 0xe9); expected UTF-8 text, "
+        f"re-save the file as UTF-8 (0xe9 is 'é' in Windows-1252, Latin-1's superset: iconv -f "
+        f"CP1252 -t UTF-8 {path} > {utf8})")
+    with open(utf8, "wb") as out:  # the line, as a shell runs it
+        subprocess.run(["iconv", "-f", "CP1252", "-t", "UTF-8", str(path)], stdout=out, check=True)
+    assert read_text(utf8) == "Il était une fois.\n"
+    path.write_bytes("déjà \xe9".encode() + b" \xe9\n")  # UTF-8 first: no guess
+    with pytest.raises(DataError) as err:
+        read_text(path)
+    assert str(err.value).endswith("re-save the file as UTF-8")
