@@ -646,3 +646,16 @@ def test_a_class_with_no_validation_image_is_named(tmp_path):
          "accuracy and loss cover the other 2; add images of it to score it")]
     assert load_images(str(root / "train"), val_path=str(root / "train"), image_size=8
                        ).notes == []
+
+
+def test_images_in_a_hidden_folder_are_skipped_as_hidden_files_are(tmp_path):
+    """A class folder's hidden subfolder (a viewer's .thumbnails/) was read as images of the
+    class while a hidden file beside them was skipped; both are skipped now, as a folder of
+    text files skips them."""
+    from toymlx.data.image_folder import files_below
+
+    cat = tmp_path / "cat"
+    (cat / ".thumbnails").mkdir(parents=True)
+    for name in ("a.png", ".b.png", ".thumbnails/a.png"):
+        Image.new("L", (4, 4)).save(cat / name)
+    assert files_below(cat) == ([cat / "a.png"], [])

@@ -408,3 +408,72 @@ def test_test_of_a_text_folder_says_it_has_no_test_split(tmp_path):
         f"--test: expected --data.path to be a data folder with test.jsonl, found {folder}, a "
         "folder of text files, one text with no test split (give a folder with train.jsonl and "
         "test.jsonl, mlx-lm's layout)")
+
+
+def test_a_folder_of_text_files_records_the_files_it_reads_not_a_hidden_folders(tmp_path):
+    """config.json recorded the files in hidden folders that the run never read (Jupyter's
+    .ipynb_checkpoints/ copy), so Jupyter saving a checkpoint stopped --resume and toymlx-eval
+    with ".ipynb_checkpoints/a-checkpoint.md changed". The record names the files read, and an
+    edit in a hidden folder leaves it as it was; an edit to a file read still changes it."""
+    from toymlx.bundle.inputs import fingerprint, same_data
+    from toymlx.data.chat import TEXT_SUFFIXES, text_folder_files
+
+    folder, _ = _book(tmp_path)
+    rec = fingerprint(folder, only=TEXT_SUFFIXES, each=True)
+    read = [p.relative_to(folder).as_posix() for p in text_folder_files(folder)]
+    assert sorted(rec["files"]) == read == ["a.md", "b.txt", "part 2/c.TXT"]
+    (folder / ".ipynb_checkpoints" / "a-checkpoint.md").write_text("# Chapter one, edited\n")
+    (folder / ".git").mkdir()
+    (folder / ".git" / "notes.txt").write_text("a file git keeps\n")
+    assert fingerprint(folder, only=TEXT_SUFFIXES, each=True) == rec
+    assert same_data(folder, rec, TEXT_SUFFIXES)[0]
+    # a run recorded before: its record holds the hidden folder's file too, and still resumes
+    was = {**rec, "bytes": rec["bytes"] + 14, "sha256": "0" * 64, "files": {
+        **rec["files"], ".ipynb_checkpoints/a-checkpoint.md": {"bytes": 14, "sha256": "0" * 64}}}
+    assert same_data(folder, was, TEXT_SUFFIXES)[0]
+    (folder / "b.txt").write_text("Chapter two, edited.\n")
+    assert not same_data(folder, rec, TEXT_SUFFIXES)[0]
+    assert not same_data(folder, was, TEXT_SUFFIXES)[0]
+
+
+def test_a_folder_of_text_files_names_the_files_it_does_not_read(tmp_path):
+    """A folder's cover.png, script.py and README (no suffix) were left out without a word, so
+    notes kept as .org files trained on nothing of theirs; one line names them, counted by
+    kind, as an image folder's notes.txt is; the hidden ones are not counted."""
+    from toymlx.backend.notice import ToymlxWarning
+    from toymlx.recipes.common import TextData, load_token_data
+
+    folder, _ = _book(tmp_path)
+    (folder / "part 2" / "script.py").write_text("print(1)\n")
+    (folder / "README").write_text("about\n")
+    with pytest.warns(ToymlxWarning) as got:
+        load_token_data(TextData(str(folder), 0.25), byte_tokenizer(), 8)
+    assert [str(w.message) for w in got] == [
+        (f"{folder}: 3 files not read, not named as text (*.txt, *.md, *.text, ...): 1 no "
+         "extension, 1 .png, 1 .py (README, cover.png, part 2/script.py); rename any text "
+         "among them to .txt to train on it")]
+
+
+def test_a_windows_1252_file_is_refused_with_the_iconv_line_that_re_saves_it(tmp_path):
+    """An old Project Gutenberg text in Latin-1 was told "re-save the file as UTF-8" with no
+    way to; a UTF-16 file had its iconv line. A bad byte after ASCII alone is of a single-byte
+    encoding: named as Windows-1252 reads it, with the line (run here: it gives the text). A
+    bad byte after UTF-8 characters is a cut UTF-8 file, told as before."""
+    import subprocess
+
+    path = tmp_path / "gutenberg.txt"
+    path.write_bytes(b"Il \xe9tait une fois.\n")
+    with pytest.raises(DataError) as err:
+        read_text(path)
+    utf8 = tmp_path / "gutenberg-utf8.txt"
+    assert str(err.value) == (
+        f"{path}: not valid UTF-8 at byte offset 3 (line 1, byte 0xe9); expected UTF-8 text, "
+        f"re-save the file as UTF-8 (0xe9 is 'é' in Windows-1252, Latin-1's superset: iconv -f "
+        f"CP1252 -t UTF-8 {path} > {utf8})")
+    with open(utf8, "wb") as out:  # the line, as a shell runs it
+        subprocess.run(["iconv", "-f", "CP1252", "-t", "UTF-8", str(path)], stdout=out, check=True)
+    assert read_text(utf8) == "Il était une fois.\n"
+    path.write_bytes("déjà \xe9".encode() + b" \xe9\n")  # UTF-8 first: no guess
+    with pytest.raises(DataError) as err:
+        read_text(path)
+    assert str(err.value).endswith("re-save the file as UTF-8")

@@ -536,18 +536,23 @@ def test_a_stop_while_a_large_model_s_init_is_evaluated_acts_at_once(tmp_path):
 
 @pytest.mark.parametrize("argv, want", [
     (["--recipe", "from-scratch", "--model.d-model", "30"],
-     "--model.d-model: expected a multiple of --model.n-heads (8), found 30"),
+     "--model.d-model: expected a multiple of --model.n-heads (8, the preset's), found 30"),
     (["--recipe", "from-scratch", "--model.n-heads", "5"],
-     "--model.n-heads: expected a divisor of --model.d-model (256), found 5"),
+     "--model.n-heads: expected a divisor of --model.d-model (256, the preset's), found 5"),
     (["--recipe", "from-scratch", "--model.n-kv-heads", "3"],
-     "--model.n-kv-heads: expected a divisor of --model.n-heads (8), found 3"),
+     "--model.n-kv-heads: expected a divisor of --model.n-heads (8, the preset's), found 3"),
     (["--recipe", "from-scratch", "--model.n-heads", "2"],
-     "--model.n-heads: expected a multiple of --model.n-kv-heads (4), found 2"),
+     "--model.n-heads: expected a multiple of --model.n-kv-heads (4, the preset's), found 2"),
+    # nanoGPT's shakespeare_char shape: n_head 6 is --model.n-heads 6, but the tiny preset's
+    # 8 query heads share 4 key/value heads; the line said "(4)" of a flag never typed
+    (["--recipe", "from-scratch", "--model.n-heads", "6", "--model.d-model", "384"],
+     "--model.n-heads: expected a multiple of --model.n-kv-heads (4, the preset's), found 6"),
     (["--recipe", "from-scratch", "--model.d-model", "24", "--model.n-heads", "8"],
      ("--model.d-model: expected a multiple of 2 x --model.n-heads (8) (an even width per head "
      "for RoPE), found 24")),
     (["--recipe", "from-scratch", "--model.n-heads", "256"],
-     ("--model.n-heads: expected a divisor of --model.d-model (256) leaving an even width per "
+     ("--model.n-heads: expected a divisor of --model.d-model (256, the preset's) leaving an "
+      "even width per "
      "head for RoPE, found 256")),
     (["--recipe", "from-scratch", "--model.n-layers", "0"],
      "--model.n-layers: expected > 0, found 0"),
@@ -555,13 +560,13 @@ def test_a_stop_while_a_large_model_s_init_is_evaluated_acts_at_once(tmp_path):
     (["--recipe", "from-scratch", "--model.rope-base", "-1"],
      "--model.rope-base: expected > 0, found -1.0"),
     (["--recipe", "vit-tiny", "--model.n-heads", "5"],
-     "--model.n-heads: expected a divisor of --model.d-model (192), found 5"),
+     "--model.n-heads: expected a divisor of --model.d-model (192, the preset's), found 5"),
     (["--recipe", "vit-tiny", "--model.d-model", "100"],
-     "--model.d-model: expected a multiple of --model.n-heads (3), found 100"),
+     "--model.d-model: expected a multiple of --model.n-heads (3, the preset's), found 100"),
     (["--recipe", "vit-tiny", "--model.patch-size", "3"],
      "--model.patch-size: expected a divisor of --data.image-size (8), found 3"),
     (["--recipe", "vit-tiny", "--model.preset", "vit-tiny-8", "--data.image-size", "9"],
-     "--data.image-size: expected a multiple of --model.patch-size (2), found 9"),
+     "--data.image-size: expected a multiple of --model.patch-size (2, the preset's), found 9"),
     (["--recipe", "vit-tiny", "--model.n-layers", "0"],
      "--model.n-layers: expected > 0, found 0"),
 ])
@@ -583,5 +588,6 @@ def test_a_config_files_model_shape_is_named_by_its_key_spelled_as_the_flag(tmp_
     (tmp_path / "c.yaml").write_text("recipe: from-scratch\nmodel: {n_kv_heads: 3}\n")
     assert main(["-c", str(tmp_path / "c.yaml"), "--runs-root", str(tmp_path / "runs")]) == 2
     assert error_line(capsys) == (f"toymlx-train: error: {tmp_path / 'c.yaml'}: key 'model: "
-                                  "{n_kv_heads}': expected a divisor of --model.n-heads (8), "
+                                  "{n_kv_heads}': expected a divisor of --model.n-heads (8, the "
+                                  "preset's), "
                                   "found 3")

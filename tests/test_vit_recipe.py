@@ -244,7 +244,7 @@ def test_the_vit_body_is_checked_before_any_image_is_read(tmp_path):
         return str(e.value)
 
     assert refused(n_heads=5) == ("--model.n-heads: expected a divisor of --model.d-model "
-                                  "(192), found 5")
+                                  "(192, the preset's), found 5")
     assert refused(d_model=100, n_heads=3) == ("--model.d-model: expected a multiple of "
                                                "--model.n-heads (3), found 100")
     assert refused(n_layers=0) == "--model.n-layers: expected > 0, found 0"

@@ -121,6 +121,32 @@ def not_utf8(text: str) -> str | None:
     return None
 
 
+def not_read_line(root: Path, others: Sequence[Path], named: str, suffixes: Sequence[str],
+                  advice: str) -> str | None:
+    """One line naming the files below data folder `root` that are not read (`others`), their
+    names not those of `named` (the kind read, by `suffixes`), counted by extension, then
+    `advice`; None for none. Left out without a word, a class of .heic photos or a folder of
+    notes kept as .org files trained on what remained."""
+    if not others:
+        return None
+    by_ext: dict[str, int] = {}
+    for f in others:
+        ext = f.suffix.lower() or "no extension"
+        by_ext[ext] = by_ext.get(ext, 0) + 1
+    kinds = ", ".join(f"{n} {ext}" for ext, n in sorted(by_ext.items(), key=lambda e: -e[1]))
+    names = shortlist([str(f.relative_to(root)) for f in others], 3)
+    return (f"{root}: {counted(len(others), 'file')} not read, not named as {named} "
+            f"(*{', *'.join(suffixes[:3])}, ...): {kinds} ({names}); {advice}")
+
+
+def hidden_below(name: Path, folder: str | os.PathLike) -> bool:
+    """Whether `name`, a path `names_below(folder)` gave, is hidden there: its own name or a
+    folder on its way down from `folder` starts with "." (`.draft.txt`, Jupyter's
+    `.ipynb_checkpoints/a.md`, `.git/`). Data folders skip such names, both where they are
+    read and where they are fingerprinted, so an edit there neither trains nor stops a resume."""
+    return any(part.startswith(".") for part in name.relative_to(folder).parts)
+
+
 def names_below(folder: str | os.PathLike) -> Iterator[Path]:
     """Every name below `folder` that is not a folder (files, links to nothing, FIFOs: the
     caller decides), through linked subfolders as torchvision's ImageFolder walks them, each

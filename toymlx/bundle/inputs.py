@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from toymlx.backend.files import counted, names_below, special_kind
+from toymlx.backend.files import counted, hidden_below, names_below, special_kind
 from toymlx.bundle import model_store
 from toymlx.bundle.options import RunError, flag_name, found_text, option
 
@@ -76,7 +76,7 @@ def _reads(name: str, only: Sequence[str] | None) -> bool:
 
 def _files(path: Path, only: Sequence[str] | None = None) -> list[Path]:
     if path.is_dir():
-        return sorted(p for p in names_below(path) if p.is_file() and not p.name.startswith(".")
+        return sorted(p for p in names_below(path) if p.is_file() and not hidden_below(p, path)
                       and _reads(p.relative_to(path).as_posix(), only))
     return [path]
 
@@ -149,12 +149,15 @@ def same_data(path: str | os.PathLike, rec: dict[str, Any],
     those that differs is then decided by the records of those files alone
     (`_same_read_files`): one without "only" (written before toymlx recorded which: every file
     of the folder), or with an `only` the run does not read all of (an mlx-lm folder's
-    test.jsonl, recorded before a run of no --test left it out)."""
+    test.jsonl, recorded before a run of no --test left it out), or with files in hidden
+    folders (recorded before `fingerprint` skipped them, as the run's reading did)."""
     same, now = _same_whole(path, rec)
     only = _recorded_only(rec)
+    files = rec.get("files")
+    hidden = isinstance(files, dict) and any(hidden_below(Path(path, n), path) for n in files)
     if same or not reads or not Path(path).is_dir() or (
-            only is not None and (set(only) <= set(reads) or not isinstance(rec.get("files"),
-                                                                              dict))):
+            only is not None and not hidden and (set(only) <= set(reads)
+                                                 or not isinstance(files, dict))):
         return same, now  # the record covers what the run reads, or no file's own is kept
     return _same_read_files(Path(path), rec, reads, now), now
 
@@ -262,8 +265,9 @@ def changed_part(path: str | os.PathLike, rec: dict[str, Any],
     if not isinstance(parts, dict) or not Path(path).is_dir():
         return None
     only = _recorded_only(rec)
-    parts = {name: part for name, part in parts.items()
-             if _reads(name, only) and _reads(name, reads)}
+    parts = {name: part for name, part in parts.items()  # hidden: recorded before
+             if _reads(name, only) and _reads(name, reads)  # `_files` skipped them, not read
+             and not hidden_below(Path(path, name), path)}
     now = {_text_name(p.relative_to(path)): p for p in _files(Path(path), only)
            if _reads(p.relative_to(path).as_posix(), reads)}
     sizes = {name: p.stat().st_size for name, p in now.items()}

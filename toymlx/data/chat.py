@@ -55,7 +55,14 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from toymlx.backend.files import counted, json_fault, names_below, shortlist
+from toymlx.backend.files import (
+    counted,
+    hidden_below,
+    json_fault,
+    names_below,
+    not_read_line,
+    shortlist,
+)
 from toymlx.backend.progress import pass_bar
 from toymlx.data.chat_template import REASONING_FIELDS, system_in_user, system_refused
 from toymlx.data.text import DataError, open_text
@@ -747,8 +754,8 @@ def text_folder_files(path: str | Path) -> list[Path] | None:
     warm-start): every file below it (its subfolders too, as `names_below` walks them) whose
     suffix is one of `TEXT_SUFFIXES`, sorted by path, hidden names skipped, and what hidden
     folders hold (Jupyter's .ipynb_checkpoints/ copies of the notes, .git/): the files
-    `fingerprint` covers with `split_files_read`'s `only`, less those in hidden folders (an
-    edit there stops a resume too, naming the file). None for a single file or an mlx-lm
+    `fingerprint` covers with `split_files_read`'s `only` (`hidden_below` decides for both, so
+    an edit in a hidden folder neither trains nor stops a resume). None for a single file or an mlx-lm
     data folder (a train file there); DataError (one line) for a folder with no text file
     (`data_files`' error, naming what it holds) or with a .jsonl, .csv or .tsv file beside its
     text files, which would not be read."""
@@ -759,8 +766,7 @@ def text_folder_files(path: str | Path) -> list[Path] | None:
         below = list(names_below(path))
     except ValueError as e:  # a link back up the tree
         raise DataError(str(e)) from None
-    shown = [p for p in below if not any(part.startswith(".")
-                                         for part in p.relative_to(path).parts)]
+    shown = [p for p in below if not hidden_below(p, path)]
     files = sorted(p for p in shown if p.suffix.lower() in TEXT_SUFFIXES)
     if not files:
         data_files(path)  # raises, naming what the folder holds
@@ -771,6 +777,17 @@ def text_folder_files(path: str | Path) -> list[Path] | None:
                         f"{unread[0].relative_to(path)} too, which would not be read; move it "
                         "out, or name the records train.jsonl (mlx-lm's layout)")
     return files
+
+
+def text_folder_note(path: str | Path, texts: Sequence[Path]) -> str | None:
+    """One line naming the files of a folder of text files that are not read (`texts`: its
+    `text_folder_files`): every other file below it, hidden ones aside (a notes.org, a
+    script.py, a README without a suffix, a cover.png); None for none."""
+    path, read = Path(path), set(texts)
+    others = [p for p in names_below(path)
+              if p.is_file() and not hidden_below(p, path) and p not in read]
+    return not_read_line(path, others, "text", TEXT_SUFFIXES,
+                         "rename any text among them to .txt to train on it")
 
 
 def data_files(path: str | Path) -> DataFiles:

@@ -25,8 +25,9 @@ from PIL import Image, UnidentifiedImageError
 
 from toymlx.backend.files import (
     IMAGE_MAGIC,
-    counted,
+    hidden_below,
     names_below,
+    not_read_line,
     not_utf8,
     shortlist,
     special_kind,
@@ -210,8 +211,8 @@ def images_below(folder: Path) -> list[Path]:
 
 
 def files_below(folder: Path) -> tuple[list[Path], list[Path]]:
-    """(the image files below `folder` (by extension), the other files), hidden names skipped
-    in both, sorted, as `names_below` walks it (through linked subfolders, as torchvision's
+    """(the image files below `folder` (by extension), the other files), hidden names (and
+    what hidden folders hold, `hidden_below`) skipped in both, sorted, as `names_below` walks it (through linked subfolders, as torchvision's
     ImageFolder does); ImageDataError naming an image name that is a FIFO, a device or a
     socket (opening it could wait forever) or a link to nothing: skipping either would drop an
     image without a word. The other files (a notes.txt, a Thumbs.db, an iPhone's .heic, a
@@ -222,7 +223,7 @@ def files_below(folder: Path) -> tuple[list[Path], list[Path]]:
     except ValueError as e:  # a link back up the tree
         raise ImageDataError(str(e)) from None
     for p in below:
-        if p.name.startswith("."):
+        if hidden_below(p, folder):
             continue
         if p.suffix.lower() not in IMAGE_EXTENSIONS:
             if p.is_file():
@@ -244,17 +245,8 @@ def not_read_note(root: Path, others: Sequence[Path]) -> str | None:
     """One line naming the files in `root`'s folders that are not read, their names not an
     image's (`files_below`'s second list), counted by extension; None for none. Left out
     without a word, a class of .heic photos or .jfif downloads trained on what remained."""
-    if not others:
-        return None
-    by_ext: dict[str, int] = {}
-    for f in others:
-        ext = f.suffix.lower() or "no extension"
-        by_ext[ext] = by_ext.get(ext, 0) + 1
-    kinds = ", ".join(f"{n} {ext}" for ext, n in sorted(by_ext.items(), key=lambda e: -e[1]))
-    names = shortlist([str(f.relative_to(root)) for f in others], 3)
-    return (f"{root}: {counted(len(others), 'file')} not read, not named as images "
-            f"(*{', *'.join(IMAGE_EXTENSIONS[:3])}, ...): {kinds} ({names}); convert or rename "
-            "any image among them to a format read")
+    return not_read_line(root, others, "images", IMAGE_EXTENSIONS,
+                         "convert or rename any image among them to a format read")
 
 
 def subfolders(root: Path) -> list[Path]:

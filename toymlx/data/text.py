@@ -120,6 +120,7 @@ def _pieces(path: Path, f: BinaryIO, block: int) -> Iterator[str]:
     without the bos id it must add)."""
     offset = lines = 0  # the file offset of `rest`, and the newlines before it
     rest, first, seen, content = b"", True, False, False
+    ascii_only = True  # every character so far ASCII: a bad byte is then of another encoding
     with f:
         yield ""
         while True:
@@ -139,14 +140,16 @@ def _pieces(path: Path, f: BinaryIO, block: int) -> Iterator[str]:
                     raise DataError(f"{path}: expected UTF-8 text, found "
                                     f"{found.format(file=path, utf8=utf8)}") from None
                 line = lines + data.count(b"\n", 0, e.start) + 1
+                single = ascii_only and data[:e.start].isascii()
                 raise DataError(
                     f"{path}: not valid UTF-8 at byte offset {offset + e.start} (line {line}, "
                     f"byte 0x{data[e.start]:02x}); expected UTF-8 text, re-save the file as UTF-8"
-                ) from None
+                    f"{_single_byte_hint(path, data[e.start]) if single else ''}") from None
             if first and text:
                 text, first = text.removeprefix("\ufeff"), False  # a UTF-8 BOM is not content
             if text:
                 seen, content = True, content or not text.isspace()
+                ascii_only = ascii_only and text.isascii()
                 yield text
             lines += data.count(b"\n", 0, end)
             offset, rest = offset + end, data[end:]
@@ -155,6 +158,20 @@ def _pieces(path: Path, f: BinaryIO, block: int) -> Iterator[str]:
     if not content:
         what = "file has only whitespace" if seen else "empty file"
         raise DataError(f"{path}: {what}; expected UTF-8 text")
+
+
+def _single_byte_hint(path: Path, byte: int) -> str:
+    """The iconv line that re-saves `path` as UTF-8 where its first non-ASCII `byte` is not
+    UTF-8 and nothing before it was (so not a UTF-8 file cut or spliced): a single-byte
+    encoding, most often Windows-1252 (Latin-1's superset: old Project Gutenberg texts, files
+    saved by Windows programs), named with the character the byte is there."""
+    try:
+        char = bytes([byte]).decode("cp1252")
+    except UnicodeDecodeError:  # 0x81, 0x8d, 0x8f, 0x90, 0x9d: not Windows-1252's
+        return ""
+    utf8 = path.with_name(f"{path.stem}-utf8{path.suffix}")
+    return (f" (0x{byte:02x} is {char!r} in Windows-1252, Latin-1's superset: iconv -f CP1252 "
+            f"-t UTF-8 {path} > {utf8})")
 
 
 def read_text(path: str | Path) -> str:

@@ -27,12 +27,20 @@ class ArgsError(ValueError):
         self.found = getattr(args, field) if found is None else found
         super().__init__(self.text())
 
-    def text(self, name: Callable[[str], str] = field_name, given: Collection[str] = ()) -> str:
+    def text(self, name: Callable[[str], str] = field_name, given: Collection[str] = (),
+             preset: Collection[str] = ()) -> str:
         """The message, each field named by `name`; told of `alt`'s field where that one is
-        among the fields `given` and `field` is not."""
+        among the fields `given` and `field` is not. A field of `preset` that the message
+        names beside it is shown as the preset's value ("--model.n-kv-heads (4, the preset's)"):
+        its user did not give it, and may not know it was there to give."""
         field, expected, found = self.field, self.expected, self.found
         if self.alt is not None and field not in given and self.alt[0] in given:
             field, expected = self.alt
             found = getattr(self.model, field)
-        expected = _FIELD.sub(lambda m: f"{name(m[1])} ({getattr(self.model, m[1])})", expected)
+
+        def shown(m: re.Match) -> str:
+            whose = ", the preset's" if m[1] in preset else ""
+            return f"{name(m[1])} ({getattr(self.model, m[1])}{whose})"
+
+        expected = _FIELD.sub(shown, expected)
         return f"{name(field)}: expected {expected}, found {found}"

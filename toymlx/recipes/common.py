@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from toymlx.backend import notice
 from toymlx.data.chat import (
     TABLES,
     data_files,
@@ -17,6 +18,7 @@ from toymlx.data.chat import (
     table_header,
     test_file,
     text_folder_files,
+    text_folder_note,
 )
 from toymlx.data.text import DataError, TokenData
 from toymlx.models.checks import ArgsError
@@ -190,6 +192,8 @@ def load_token_data(data: TextData, tokenizer, seq_len: int, test: bool = False,
         return TokenData.from_file(data.path, tokenizer, seq_len, data.val_fraction, windows,
                                    progress)
     if (texts := text_folder_files(data.path)) is not None:
+        if note := text_folder_note(data.path, texts):
+            notice.warn(note)
         return TokenData.from_files(data.path, texts, tokenizer, seq_len, data.val_fraction,
                                     windows, progress)
     files = data_files(data.path)

@@ -114,11 +114,14 @@ def model_error(e: ArgsError, options: Any,
     """A model's ArgsError as toymlx-train's flags name it: a field of the recipe's model
     `options` (cfg.model) by `flag_name`, one that another option sets by `more` ({field: (its
     flag, the value given or None)}: vit's image_size, --data.image-size), any other as the
-    model names it; where the fault is of two fields, told of the one given."""
+    model names it; where the fault is of two fields, told of the one given, and a field of
+    `options` not given, named beside it, as the preset's value."""
     flags = {f.name: (flag_name(f"model.{f.name}"), getattr(options, f.name))
              for f in dataclasses.fields(options)} | (more or {})
     given = {k for k, (_, v) in flags.items() if v is not None}
-    return ValueError(e.text(lambda f: flags[f][0] if f in flags else field_name(f), given))
+    preset = {f.name for f in dataclasses.fields(options)} - given - set(more or {})
+    return ValueError(e.text(lambda f: flags[f][0] if f in flags else field_name(f), given,
+                             preset))
 
 
 def check_config(module: ModuleType, cfg: TrainConfig, new_run: bool = False,
