@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from functools import partial
 
@@ -105,7 +106,12 @@ def _axes(args: argparse.Namespace, file_grid: dict, path: str | None,
             return parse()
         except ValueError as e:
             hint = mlx_lm and "found no option" in str(e) and mlx_lm_hint(key, "toymlx-train")
-            raise ValueError(f"{e}; {hint}" if hint else str(e)) from None
+            if not hint:
+                raise
+            # the option named by mlx-lm's meaning, not the closest by spelling: `iters` got
+            # "(did you mean test?)" before naming --steps
+            said = re.sub(r" \(did you mean [^)]*\)", "", str(e))
+            raise ValueError(f"{said}; {hint}") from None
 
     axes = {k: axis(k, partial(sweep.file_axis, k, v, args.recipe, f"{path}: key 'grid.{k}'"))
             for k, v in file_grid.items()}

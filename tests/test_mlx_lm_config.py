@@ -401,6 +401,14 @@ def test_the_optimizers_are_mlx_lm_s():
     ({"lora_paramters": {"rank": 8}}, ("f.yaml: key 'lora_paramters': expected a key of "
      "mlx-lm's lora config (the file is read as mlx-lm's, for its 'iters'), found an unknown "
      "key; did you mean lora_parameters?")),
+    # older mlx-lm's names, which mlx-lm 0.32 ignores (lora_layers: 4 trained 16 blocks), named
+    # with today's key, not the closest by spelling (lora_layers: lora_parameters)
+    ({"lora_layers": 4}, ("f.yaml: key 'lora_layers': expected a key of mlx-lm's lora config "
+     "(the file is read as mlx-lm's, for its 'iters'), found an unknown key; it is older "
+     "mlx-lm's, which mlx-lm now ignores: write num_layers")),
+    ({"use_dora": True}, ("f.yaml: key 'use_dora': expected a key of mlx-lm's lora config "
+     "(the file is read as mlx-lm's, for its 'iters'), found an unknown key; it is older "
+     "mlx-lm's, which mlx-lm now ignores: write fine_tune_type: dora")),
     # mlx-lm's data-key names: a key name each, one row key named once
     ({"text_feature": 3}, ("f.yaml: key 'text_feature': expected the name of the rows' key "
      "holding the text, found 3")),
@@ -1532,6 +1540,35 @@ def test_an_mlx_lm_key_toymlx_cannot_honour_is_refused_by_the_sweep_as_by_toymlx
                        str(tmp_path / "s")]) == 2
     assert error_line(capsys, "toymlx-sweep") == f"toymlx-sweep: error: {trained}"
     assert not (tmp_path / "s").exists() and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("grid, line", [
+    # the closest option by spelling was named first: "(did you mean test?)", then --steps
+    ("iters=10,20", ("--grid iters: expected an option of recipe lora, found no option --iters; "
+     "mlx-lm's iters is toymlx's --steps")),
+    ("num_layers=2,4", ("--grid num_layers: expected an option of recipe lora, found no option "
+     "--num-layers; mlx-lm's num_layers is toymlx's --lora.layers (--full.layers for a full "
+     "fine-tune)")),
+    # lora_parameters' keys were named with no toymlx option (scale), or the closest by spelling
+    ("lora_parameters.scale=10,20", ("--grid lora_parameters.scale: expected an option of recipe "
+     "lora, found no option --lora-parameters.scale; mlx-lm's lora_parameters.scale is toymlx's "
+     "--lora.alpha at scale x rank (rank 8, scale 20: --lora.alpha 160)")),
+    ("lora_parameters.rank=4,8", ("--grid lora_parameters.rank: expected an option of recipe "
+     "lora, found no option --lora-parameters.rank; mlx-lm's lora_parameters.rank is toymlx's "
+     "--lora.rank (--grid lora.rank keeps the file's scale: alpha = scale x rank)")),
+    # not mlx-lm's: the closest option by spelling, as before
+    ("lrr=1e-3", ("--grid lrr: expected an option of recipe lora, found no option --lrr (did you "
+     "mean lr?)")),
+])
+def test_a_sweep_grid_flag_spelt_as_mlx_lm_s_key_names_its_toymlx_option_alone(
+        tmp_path, base, data, capsys, grid, line):
+    from toymlx_cli.sweep import main as sweep_main
+
+    path = tmp_path / "lora_config.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(data), "iters": 2}))
+    assert sweep_main(["-c", str(path), "--grid", grid, "--runs-root", str(tmp_path / "s")]) == 2
+    assert error_line(capsys, "toymlx-sweep") == f"toymlx-sweep: error: {line}"
+    assert not (tmp_path / "s").exists()
 
 
 def test_a_sweep_grid_key_spelt_as_mlx_lm_s_names_toymlx_s_option(tmp_path, base, data,
