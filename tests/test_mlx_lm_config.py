@@ -1542,6 +1542,56 @@ def test_an_mlx_lm_key_toymlx_cannot_honour_is_refused_by_the_sweep_as_by_toymlx
     assert not (tmp_path / "s").exists() and not (tmp_path / "r").exists()
 
 
+def test_a_sweep_says_once_what_each_run_says_of_a_folder_without_valid_jsonl(
+        tmp_path, base, data, capsys):
+    """Each run validated on train.jsonl's last tenth, not trained on, where mlx-lm trains on
+    all of it: said in the runs' logs alone, the sweep silent."""
+    from toymlx_cli.sweep import main as sweep_main
+
+    folder = tmp_path / "no_valid"
+    folder.mkdir()
+    for split in ("train", "test"):
+        (folder / f"{split}.jsonl").write_text((data / f"{split}.jsonl").read_text())
+    path = tmp_path / "lora_config.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(folder), "iters": 1,
+                                    "batch_size": 2, "max_seq_length": 64}))
+    root = tmp_path / "s"
+    assert sweep_main(["-c", str(path), "--grid", "lr=1e-4,3e-4", "--runs-root", str(root),
+                       "--sweep-id", "nv", "--no-progress", "--no-report"]) == 0
+    note = (f"{folder}: no valid.jsonl: the last 1 of train.jsonl's 12 examples validates and "
+            "is not trained on (--data.val-fraction 0.1; mlx-lm trains on all 12 and validates "
+            "nothing)")
+    err = capsys.readouterr().err.splitlines()
+    assert err.count(f"toymlx-sweep: {note}") == 1
+    assert err.index(f"toymlx-sweep: {note}") < next(
+        i for i, line in enumerate(err) if line.startswith(f"sweep {root / 'nv'}: "))
+    for run in ("lr=0.0001", "lr=0.0003"):  # the runs' own words
+        assert f"toymlx: {note}" in (root / "nv" / "logs" / f"{run}.log").read_text()
+
+
+def test_a_sweep_refuses_an_unreadable_example_before_any_run(tmp_path, base, data, capsys):
+    """A row that is not JSON failed every run, each a second into its start (after its base
+    was read); the examples are now read with the options, before any run."""
+    from toymlx_cli.sweep import main as sweep_main
+
+    folder = tmp_path / "cut"
+    folder.mkdir()
+    for split in ("train", "valid"):
+        (folder / f"{split}.jsonl").write_text((data / f"{split}.jsonl").read_text())
+    with open(folder / "train.jsonl", "a") as f:
+        f.write('{"prompt": "x"\n')
+    path = tmp_path / "lora_config.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(folder), "iters": 1}))
+    assert sweep_main(["-c", str(path), "--grid", "lr=1e-4,3e-4", "--runs-root",
+                       str(tmp_path / "s")]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        f"toymlx-sweep: error: run lr=0.0001: {folder / 'train.jsonl'}:13: bad JSON (Expecting "
+        "',' delimiter at column 15, where the text ends: cut short?); expected one object per "
+        'line {"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}; no run '
+        "was started")
+    assert not (tmp_path / "s").exists()
+
+
 @pytest.mark.parametrize("grid, line", [
     # the closest option by spelling was named first: "(did you mean test?)", then --steps
     ("iters=10,20", ("--grid iters: expected an option of recipe lora, found no option --iters; "

@@ -41,7 +41,7 @@ from toymlx.bundle.folder import read_config, refuse_run_folder
 from toymlx.bundle.inputs import DATA_FILES_KEY
 from toymlx.bundle.outputs import check_output
 from toymlx.data import fixture_path
-from toymlx.data.chat import SFTData, row_keys, split_files_read
+from toymlx.data.chat import SFTData, SplitExamples, row_keys, split_files_read
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import (
     CHECKPOINT_FORMAT,
@@ -231,6 +231,15 @@ class Config(TrainConfig):
     writes it: base = its default (the base's tensors byte for byte, each adapted one in the
     smallest type that keeps its change, named after the base's own type, e.g. q4_k_m), or
     every tensor re-quantized to the type named."""
+
+
+def data_notes(cfg: Config) -> list[str]:
+    """What the run says of its examples before its base is read (a folder without valid.jsonl
+    validated by train.jsonl's last part, which mlx-lm would train on: `SplitExamples.note`),
+    for toymlx-sweep to say once; DataError for examples that cannot be read."""
+    ex = SplitExamples.of(cfg.data.path or DEFAULT_DATA, cfg.data.val_fraction,
+                          keys=row_keys(cfg.data.keys))
+    return [ex.note] if ex.note else []
 
 
 def validate(cfg: Config) -> None:
