@@ -226,8 +226,9 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
                                      f"folder, found {nothing_there(value)}")
             # said in each run's log alone, the sweep silent: an mlx-lm folder without
             # valid.jsonl trained every run on 90% of train.jsonl, mlx-lm on all of it
-            if hasattr(module, "data_notes") and repr(cfg.data) not in read:
-                read.add(repr(cfg.data))
+            read_as = repr((cfg.data, getattr(cfg, "base", None)))  # a chat template is the base's
+            if hasattr(module, "data_notes") and read_as not in read:
+                read.add(read_as)
                 data_notes += [n for n in module.data_notes(cfg) if n not in data_notes]
         except ValueError as e:
             raise ValueError(f"run {spec.name}: {e}; no run was started") from None

@@ -1592,6 +1592,39 @@ def test_a_sweep_refuses_an_unreadable_example_before_any_run(tmp_path, base, da
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize("row, said", [
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+     "'messages' examples need a chat template, and {base} has none"),
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+     ("\"conversations\" (ShareGPT's, read as 'messages'): expected a tokenizer with a chat "
+     "template")),
+])
+def test_a_sweep_refuses_chat_rows_on_a_base_without_a_template_before_any_run(
+        tmp_path, capsys, row, said):
+    """Every run failed a second into its start, each with the same line, the base read by
+    each; now the line is toymlx-train's, once, and no run starts."""
+    from toymlx_cli.sweep import main as sweep_main
+
+    base = tmp_path / "plain.gguf"
+    write_llama(base, Llama(tiny(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=48,
+                                 context=64)), byte_tokenizer().to_metadata(), name="plain")
+    folder = tmp_path / "chat"
+    folder.mkdir()
+    for split in ("train", "valid"):
+        (folder / f"{split}.jsonl").write_text(json.dumps(row) + "\n")
+    path = tmp_path / "lora_config.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(folder), "iters": 1,
+                                    "max_seq_length": 32}))
+    assert main(["-c", str(path), "--runs-root", str(tmp_path / "r"), "--run-id", "one"]) == 2
+    trained = error_line(capsys).removeprefix("toymlx-train: error: ")
+    assert trained.startswith(f"{folder / 'train.jsonl'}:1: " + said.format(base=base))
+    assert sweep_main(["-c", str(path), "--grid", "lr=1e-4,3e-4", "--runs-root",
+                       str(tmp_path / "s")]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        f"toymlx-sweep: error: run lr=0.0001: {trained}; no run was started")
+    assert not (tmp_path / "s").exists()
+
+
 @pytest.mark.parametrize("grid, line", [
     # the closest option by spelling was named first: "(did you mean test?)", then --steps
     ("iters=10,20", ("--grid iters: expected an option of recipe lora, found no option --iters; "
