@@ -45,6 +45,12 @@ MLX_LM_KEYS = {
     "num_layers": "--lora.layers (--full.layers for a full fine-tune)",
     "lora_parameters": "--lora.rank, --lora.alpha (scale x rank), --lora.dropout and "
                        "--lora.targets (for keys)",
+    # a sweep's grid names them so (`--grid lora_parameters.scale=10,20`)
+    "lora_parameters.rank": "--lora.rank (--grid lora.rank keeps the file's scale: alpha = "
+                            "scale x rank)",
+    "lora_parameters.scale": "--lora.alpha at scale x rank (rank 8, scale 20: --lora.alpha 160)",
+    "lora_parameters.dropout": "--lora.dropout",
+    "lora_parameters.keys": "--lora.targets (self_attn.q_proj: q)",
     # --seq-len counts a row's targets, max_seq_length its tokens (`mlx_lm_options`)
     "max_seq_length": "--seq-len at max_seq_length - 1 (it counts a row's targets, mlx-lm its "
                       "tokens)",

@@ -982,8 +982,15 @@ def evaluate(args: Args) -> dict:
     # a fused file outside its run: the run's rows, from the settings the file records
     fused = file_run(args.model) if bundle is None else None
     own = reads_run_data(args, bundle) if fused is None else fused.reads(args.data_path)
-    args = dataclasses.replace(args, split=default_split(args, own, bundle is None and
-                                                         fused is None))
+    outside = bundle is None and fused is None
+    split = default_split(args, own, outside)
+    if outside and args.split is None and split == "all" and mlx_lm_folder(args, None):
+        # the guide's stand-in for `mlx_lm.lora --test`, which refuses a folder without
+        # test.jsonl: its training and validation examples were scored without a word
+        print(f"{PROG}: {args.data_path}: no test.jsonl, which mlx_lm.lora --test scores (it "
+              "refuses a folder without one): scoring its training and validation examples "
+              "(--split all); --split val scores the validation ones alone", file=sys.stderr)
+    args = dataclasses.replace(args, split=split)
     if bundle is not None and args.data_path is None:
         check_run_data(bundle, args.split)
     # a run's own validation split: the rows its eval events score (`run_rows`), unless

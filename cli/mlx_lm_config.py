@@ -70,6 +70,10 @@ _RENAMED = {"iters": "steps", "learning_rate": "lr",
             "optimizer": "optimizer"}
 
 
+_OLD_MLX_LM = {"lora_layers": "num_layers", "use_dora": "fine_tune_type: dora"}
+"""Keys older mlx-lm read -> what mlx-lm reads now; mlx-lm 0.32 ignores them without a word
+(a file's `lora_layers: 4` trains its default 16 blocks), and their closest key by spelling
+(`lora_layers`: lora_parameters) is not what they meant."""
 _SHARED = {"model", "data", "report_to", "recipe", "lr_schedule"}
 """Keys an mlx-lm file may hold besides MLX_LM_ONLY, MLX_LM_DEFAULTS and _NOTED's."""
 _FEATURES = {"prompt_feature": "prompt", "completion_feature": "completion",
@@ -143,9 +147,12 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
         why = min(keys & MLX_LM_ONLY, default="keys")
         close = closest_key(unknown[0], (k for k in MLX_LM_ONLY | set(MLX_LM_DEFAULTS)
                                          | set(_NOTED) | _SHARED if k != "config"))
+        hint = (f"; it is older mlx-lm's, which mlx-lm now ignores: write "
+                f"{_OLD_MLX_LM[unknown[0]]}" if unknown[0] in _OLD_MLX_LM
+                else f"; did you mean {close}?" if close else "")
         raise ConfigFileError(f"{source}: key {unknown[0]!r}: expected a key of mlx-lm's lora "
                               f"config (the file is read as mlx-lm's, for its {why!r}), found "
-                              "an unknown key" + (f"; did you mean {close}?" if close else ""))
+                              f"an unknown key{hint}")
     given = {**MLX_LM_DEFAULTS, **data}
     _want(source, "train", data.get("train", True) is True, "true (toymlx-train trains; a run's "
           "test.jsonl is scored by toymlx-eval --model RUN --split test)", data.get("train"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from functools import partial
 
@@ -105,7 +106,12 @@ def _axes(args: argparse.Namespace, file_grid: dict, path: str | None,
             return parse()
         except ValueError as e:
             hint = mlx_lm and "found no option" in str(e) and mlx_lm_hint(key, "toymlx-train")
-            raise ValueError(f"{e}; {hint}" if hint else str(e)) from None
+            if not hint:
+                raise
+            # the option named by mlx-lm's meaning, not the closest by spelling: `iters` got
+            # "(did you mean test?)" before naming --steps
+            said = re.sub(r" \(did you mean [^)]*\)", "", str(e))
+            raise ValueError(f"{said}; {hint}") from None
 
     axes = {k: axis(k, partial(sweep.file_axis, k, v, args.recipe, f"{path}: key 'grid.{k}'"))
             for k, v in file_grid.items()}
@@ -154,7 +160,8 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
     the file is mlx-lm's lora config, read as toymlx-train reads it (`mlx_lm_read`, then
     `mlx_lm_parsed`) with each run's flags over it, the run's folder (`runs_root`, its name)
     among them as the sweep gives it. Returns ((flag, path) of what the runs read
-    (`run_inputs`, as typed), the first run's notes of the mlx-lm file)."""
+    (`run_inputs`, as typed), the first run's notes of the mlx-lm file and each run's notes
+    of its examples (the recipe's `data_notes`), once each)."""
     from toymlx_cli.config_file import (
         defaults_from_file,
         file_flags,
@@ -180,6 +187,8 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
     prog = f"toymlx-train --recipe {recipe}"
     inputs: list[tuple[str, str | None]] = []
     notes: list[str] = []
+    data_notes: list[str] = []
+    read: set[str] = set()  # the data options whose examples were read
     for spec in specs:
         argv = list(spec.args)
         try:
@@ -215,10 +224,16 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
                 if not os.path.exists(value) or empty_folder(value):
                     raise ValueError(f"{flag_name(key)} {value}: expected an existing file or "
                                      f"folder, found {nothing_there(value)}")
+            # said in each run's log alone, the sweep silent: an mlx-lm folder without
+            # valid.jsonl trained every run on 90% of train.jsonl, mlx-lm on all of it
+            read_as = repr((cfg.data, getattr(cfg, "base", None)))  # a chat template is the base's
+            if hasattr(module, "data_notes") and read_as not in read:
+                read.add(read_as)
+                data_notes += [n for n in module.data_notes(cfg) if n not in data_notes]
         except ValueError as e:
             raise ValueError(f"run {spec.name}: {e}; no run was started") from None
         inputs += [i for i in run_inputs(cfg) if i not in inputs]
-    return inputs, notes
+    return inputs, notes + data_notes
 
 
 def main(argv: list[str] | None = None) -> int:

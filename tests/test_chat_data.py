@@ -556,7 +556,7 @@ def test_sharegpt_conversations_without_a_chat_template_name_what_the_user_wrote
     # the same turns written as messages keep their own words
     msgs = write(tmp_path, "msgs.jsonl", json.dumps({"messages": [
         {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n")
-    with pytest.raises(DataError, match=r"msgs\.jsonl:1: 'messages' examples need a tokenizer"):
+    with pytest.raises(DataError, match=r"msgs\.jsonl:1: 'messages' examples need a chat template"):
         SFTData.from_file(msgs, FakeTokenizer(None), seq_len=32)
 
 

@@ -538,6 +538,32 @@ def test_a_table_without_a_text_column_is_one_line_naming_its_columns(tmp_path, 
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_gguf_on_a_folder_without_test_jsonl_says_what_it_scores(tiny_gguf, tmp_path,  # noqa: F811
+                                                                     capsys):
+    """The guide's stand-in for `mlx_lm.lora --test` on a folder without test.jsonl (which
+    mlx-lm refuses) scored train.jsonl and valid.jsonl with nothing said but the JSON's "split":
+    "all"; now a line says so, the loss that of one file holding both."""
+    folder = mlx_lm_folder(tmp_path / "data", n_train=6, n_valid=3, n_test=0)
+    both = tmp_path / "both.jsonl"
+    both.write_text((folder / "train.jsonl").read_text() + (folder / "valid.jsonl").read_text())
+    capsys.readouterr()
+    assert eval_main(["--model", str(tiny_gguf), "--data.path", str(folder), "--seq-len", "64",
+                      "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    got = json.loads(out)
+    assert (f"toymlx-eval: {folder}: no test.jsonl, which mlx_lm.lora --test scores (it refuses "
+            "a folder without one): scoring its training and validation examples (--split all); "
+            "--split val scores the validation ones alone") in err.splitlines()
+    want = _json(capsys, tiny_gguf, "--data.path", both, "--seq-len", "64", "--no-progress",
+                 "--data.no-pack", "--data.no-mask-prompt")
+    assert (got["split"], got["rows"]) == ("all", 9)
+    assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6)
+    with_test = mlx_lm_folder(tmp_path / "t", n_train=6, n_valid=3, n_test=2)
+    assert eval_main(["--model", str(tiny_gguf), "--data.path", str(with_test), "--seq-len",
+                      "64", "--no-progress"]) == 0
+    assert "no test.jsonl" not in capsys.readouterr().err
+
+
 def test_lora_run_scores_the_first_validation_rows(tiny_gguf, tmp_path, capsys):  # noqa: F811
     """A LoRA run (one example a row, --data.no-pack) on its validation rows: --max-examples 3
     gives the loss of a file holding the first 3 validation examples alone; more than it

@@ -401,6 +401,14 @@ def test_the_optimizers_are_mlx_lm_s():
     ({"lora_paramters": {"rank": 8}}, ("f.yaml: key 'lora_paramters': expected a key of "
      "mlx-lm's lora config (the file is read as mlx-lm's, for its 'iters'), found an unknown "
      "key; did you mean lora_parameters?")),
+    # older mlx-lm's names, which mlx-lm 0.32 ignores (lora_layers: 4 trained 16 blocks), named
+    # with today's key, not the closest by spelling (lora_layers: lora_parameters)
+    ({"lora_layers": 4}, ("f.yaml: key 'lora_layers': expected a key of mlx-lm's lora config "
+     "(the file is read as mlx-lm's, for its 'iters'), found an unknown key; it is older "
+     "mlx-lm's, which mlx-lm now ignores: write num_layers")),
+    ({"use_dora": True}, ("f.yaml: key 'use_dora': expected a key of mlx-lm's lora config "
+     "(the file is read as mlx-lm's, for its 'iters'), found an unknown key; it is older "
+     "mlx-lm's, which mlx-lm now ignores: write fine_tune_type: dora")),
     # mlx-lm's data-key names: a key name each, one row key named once
     ({"text_feature": 3}, ("f.yaml: key 'text_feature': expected the name of the rows' key "
      "holding the text, found 3")),
@@ -1532,6 +1540,118 @@ def test_an_mlx_lm_key_toymlx_cannot_honour_is_refused_by_the_sweep_as_by_toymlx
                        str(tmp_path / "s")]) == 2
     assert error_line(capsys, "toymlx-sweep") == f"toymlx-sweep: error: {trained}"
     assert not (tmp_path / "s").exists() and not (tmp_path / "r").exists()
+
+
+def test_a_sweep_says_once_what_each_run_says_of_a_folder_without_valid_jsonl(
+        tmp_path, base, data, capsys):
+    """Each run validated on train.jsonl's last tenth, not trained on, where mlx-lm trains on
+    all of it: said in the runs' logs alone, the sweep silent."""
+    from toymlx_cli.sweep import main as sweep_main
+
+    folder = tmp_path / "no_valid"
+    folder.mkdir()
+    for split in ("train", "test"):
+        (folder / f"{split}.jsonl").write_text((data / f"{split}.jsonl").read_text())
+    path = tmp_path / "lora_config.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(folder), "iters": 1,
+                                    "batch_size": 2, "max_seq_length": 64}))
+    root = tmp_path / "s"
+    assert sweep_main(["-c", str(path), "--grid", "lr=1e-4,3e-4", "--runs-root", str(root),
+                       "--sweep-id", "nv", "--no-progress", "--no-report"]) == 0
+    note = (f"{folder}: no valid.jsonl: the last 1 of train.jsonl's 12 examples validates and "
+            "is not trained on (--data.val-fraction 0.1; mlx-lm trains on all 12 and validates "
+            "nothing)")
+    err = capsys.readouterr().err.splitlines()
+    assert err.count(f"toymlx-sweep: {note}") == 1
+    assert err.index(f"toymlx-sweep: {note}") < next(
+        i for i, line in enumerate(err) if line.startswith(f"sweep {root / 'nv'}: "))
+    for run in ("lr=0.0001", "lr=0.0003"):  # the runs' own words
+        assert f"toymlx: {note}" in (root / "nv" / "logs" / f"{run}.log").read_text()
+
+
+def test_a_sweep_refuses_an_unreadable_example_before_any_run(tmp_path, base, data, capsys):
+    """A row that is not JSON failed every run, each a second into its start (after its base
+    was read); the examples are now read with the options, before any run."""
+    from toymlx_cli.sweep import main as sweep_main
+
+    folder = tmp_path / "cut"
+    folder.mkdir()
+    for split in ("train", "valid"):
+        (folder / f"{split}.jsonl").write_text((data / f"{split}.jsonl").read_text())
+    with open(folder / "train.jsonl", "a") as f:
+        f.write('{"prompt": "x"\n')
+    path = tmp_path / "lora_config.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(folder), "iters": 1}))
+    assert sweep_main(["-c", str(path), "--grid", "lr=1e-4,3e-4", "--runs-root",
+                       str(tmp_path / "s")]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        f"toymlx-sweep: error: run lr=0.0001: {folder / 'train.jsonl'}:13: bad JSON (Expecting "
+        "',' delimiter at column 15, where the text ends: cut short?); expected one object per "
+        'line {"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}; no run '
+        "was started")
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("row, said", [
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+     "'messages' examples need a chat template, and {base} has none"),
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+     ("\"conversations\" (ShareGPT's, read as 'messages'): expected a tokenizer with a chat "
+     "template")),
+])
+def test_a_sweep_refuses_chat_rows_on_a_base_without_a_template_before_any_run(
+        tmp_path, capsys, row, said):
+    """Every run failed a second into its start, each with the same line, the base read by
+    each; now the line is toymlx-train's, once, and no run starts."""
+    from toymlx_cli.sweep import main as sweep_main
+
+    base = tmp_path / "plain.gguf"
+    write_llama(base, Llama(tiny(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=48,
+                                 context=64)), byte_tokenizer().to_metadata(), name="plain")
+    folder = tmp_path / "chat"
+    folder.mkdir()
+    for split in ("train", "valid"):
+        (folder / f"{split}.jsonl").write_text(json.dumps(row) + "\n")
+    path = tmp_path / "lora_config.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(folder), "iters": 1,
+                                    "max_seq_length": 32}))
+    assert main(["-c", str(path), "--runs-root", str(tmp_path / "r"), "--run-id", "one"]) == 2
+    trained = error_line(capsys).removeprefix("toymlx-train: error: ")
+    assert trained.startswith(f"{folder / 'train.jsonl'}:1: " + said.format(base=base))
+    assert sweep_main(["-c", str(path), "--grid", "lr=1e-4,3e-4", "--runs-root",
+                       str(tmp_path / "s")]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        f"toymlx-sweep: error: run lr=0.0001: {trained}; no run was started")
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("grid, line", [
+    # the closest option by spelling was named first: "(did you mean test?)", then --steps
+    ("iters=10,20", ("--grid iters: expected an option of recipe lora, found no option --iters; "
+     "mlx-lm's iters is toymlx's --steps")),
+    ("num_layers=2,4", ("--grid num_layers: expected an option of recipe lora, found no option "
+     "--num-layers; mlx-lm's num_layers is toymlx's --lora.layers (--full.layers for a full "
+     "fine-tune)")),
+    # lora_parameters' keys were named with no toymlx option (scale), or the closest by spelling
+    ("lora_parameters.scale=10,20", ("--grid lora_parameters.scale: expected an option of recipe "
+     "lora, found no option --lora-parameters.scale; mlx-lm's lora_parameters.scale is toymlx's "
+     "--lora.alpha at scale x rank (rank 8, scale 20: --lora.alpha 160)")),
+    ("lora_parameters.rank=4,8", ("--grid lora_parameters.rank: expected an option of recipe "
+     "lora, found no option --lora-parameters.rank; mlx-lm's lora_parameters.rank is toymlx's "
+     "--lora.rank (--grid lora.rank keeps the file's scale: alpha = scale x rank)")),
+    # not mlx-lm's: the closest option by spelling, as before
+    ("lrr=1e-3", ("--grid lrr: expected an option of recipe lora, found no option --lrr (did you "
+     "mean lr?)")),
+])
+def test_a_sweep_grid_flag_spelt_as_mlx_lm_s_key_names_its_toymlx_option_alone(
+        tmp_path, base, data, capsys, grid, line):
+    from toymlx_cli.sweep import main as sweep_main
+
+    path = tmp_path / "lora_config.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(data), "iters": 2}))
+    assert sweep_main(["-c", str(path), "--grid", grid, "--runs-root", str(tmp_path / "s")]) == 2
+    assert error_line(capsys, "toymlx-sweep") == f"toymlx-sweep: error: {line}"
+    assert not (tmp_path / "s").exists()
 
 
 def test_a_sweep_grid_key_spelt_as_mlx_lm_s_names_toymlx_s_option(tmp_path, base, data,

@@ -954,6 +954,20 @@ Piece = tuple[str, bool | None, int]
 tokens: an example's ids are its pieces' ids one after another (`_pieces`)."""
 
 
+def no_chat_template(source: str, whose: str, read_from: str | None = None) -> DataError:
+    """The refusal of `source`'s 'messages' examples (`Example.read_from`: as another tool
+    wrote them) on a tokenizer (`whose`: the file it came from) without a chat template."""
+    if read_from == "conversations":  # the key the user wrote, and how to train without one
+        return DataError(f'{source}: "conversations" (ShareGPT\'s, read as \'messages\'): '
+                         "expected a tokenizer with a chat template to render the turns, found "
+                         "none in this one; use a base with a chat template (an instruct model), "
+                         'or write each example as {"prompt", "completion"} (the human turn and '
+                         "the gpt answer), which trains without one")
+    return DataError(f"{source}: 'messages' examples need a chat template, and {whose} has none "
+                     "(no tokenizer.chat_template); use 'text' or 'prompt'/'completion' "
+                     "examples, or a base that has one")
+
+
 def _message_pieces(
     messages: Sequence[dict[str, Any]], tokenizer: ChatTokenizer, mask_prompt: bool, source: str,
     tools: Sequence[dict[str, Any]] | None = None, turns: str = "assistant",
@@ -971,10 +985,7 @@ def _message_pieces(
     for the last) trains that turn as the full render writes it (`_history_span`).
     """
     if not getattr(tokenizer, "chat_template", None):
-        whose = getattr(tokenizer, "source", None) or "this tokenizer"
-        raise DataError(f"{source}: 'messages' examples need a chat template, and {whose} has "
-                        "none (no tokenizer.chat_template); use 'text' or 'prompt'/'completion' "
-                        "examples, or a base that has one")
+        raise no_chat_template(source, getattr(tokenizer, "source", None) or "this tokenizer")
     if tools and not template_takes_tools(tokenizer.chat_template):
         raise DataError(f'{source}: "tools": expected a chat template that renders tools, found '
                         f"one that never reads them (they would be dropped); remove the "
@@ -1259,11 +1270,7 @@ def _pieces(example: Example, tokenizer: ChatTokenizer, mask_prompt: bool, turns
         return [*prompt, (example.completion, False, 1)], True
     assert example.messages is not None
     if example.read_from == "conversations" and not getattr(tokenizer, "chat_template", None):
-        raise DataError(f'{example.source}: "conversations" (ShareGPT\'s, read as \'messages\'): '
-                        "expected a tokenizer with a chat template to render the turns, found "
-                        "none in this one; use a base with a chat template (an instruct model), "
-                        'or write each example as {"prompt", "completion"} (the human turn and '
-                        "the gpt answer), which trains without one")
+        raise no_chat_template(example.source, "", example.read_from)
     messages = example.messages
     if system_merged(example, tokenizer):
         messages = system_in_user(list(messages[1:]), messages[0]["content"])

@@ -41,7 +41,13 @@ from toymlx.bundle.folder import read_config, refuse_run_folder
 from toymlx.bundle.inputs import DATA_FILES_KEY
 from toymlx.bundle.outputs import check_output
 from toymlx.data import fixture_path
-from toymlx.data.chat import SFTData, row_keys, split_files_read
+from toymlx.data.chat import (
+    SFTData,
+    SplitExamples,
+    no_chat_template,
+    row_keys,
+    split_files_read,
+)
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import (
     CHECKPOINT_FORMAT,
@@ -231,6 +237,22 @@ class Config(TrainConfig):
     writes it: base = its default (the base's tensors byte for byte, each adapted one in the
     smallest type that keeps its change, named after the base's own type, e.g. q4_k_m), or
     every tensor re-quantized to the type named."""
+
+
+def data_notes(cfg: Config) -> list[str]:
+    """What the run says of its examples before its base is read (a folder without valid.jsonl
+    validated by train.jsonl's last part, which mlx-lm would train on: `SplitExamples.note`),
+    for toymlx-sweep to say once; DataError for examples that cannot be read, or 'messages'
+    ones on a base file without a chat template (each run refused them after reading its
+    base; a store name's file is left to the run)."""
+    ex = SplitExamples.of(cfg.data.path or DEFAULT_DATA, cfg.data.val_fraction,
+                          keys=row_keys(cfg.data.keys))
+    chat = next((e for e in ex.train + ex.val if e.messages is not None), None)
+    if chat is not None and not model_store.is_store_name(cfg.base) and Path(cfg.base).is_file():
+        with GGUFFile(cfg.base) as g:
+            if not g.metadata.get("tokenizer.chat_template"):
+                raise no_chat_template(chat.source, str(cfg.base), chat.read_from)
+    return [ex.note] if ex.note else []
 
 
 def validate(cfg: Config) -> None:
