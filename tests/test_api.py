@@ -569,7 +569,7 @@ def test_a_model_shape_it_cannot_build_is_told_in_the_keywords_given(tmp_path):
     with pytest.raises(toymlx.OptionError) as caught:
         toymlx.train("from-scratch", model={"n_heads": 5}, runs_root=str(tmp_path), echo=False)
     assert str(caught.value) == ('toymlx-train: error: model={"n_heads": ...}: expected a divisor '
-                                 'of model={"d_model": ...} (256), found 5')
+                                 'of model={"d_model": ...} (256, the preset\'s), found 5')
     assert not any(tmp_path.iterdir())
 
 

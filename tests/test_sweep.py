@@ -1116,7 +1116,7 @@ def test_a_model_shape_that_cannot_be_built_fails_before_any_run_starts(tmp_path
     assert sweep_main(argv) == 2
     assert error_line(capsys, "toymlx-sweep") == (
         "toymlx-sweep: error: run model.d_model=30: --model.d-model: expected a multiple of "
-        "--model.n-heads (8), found 30; no run was started")
+        "--model.n-heads (8, the preset's), found 30; no run was started")
     assert not (tmp_path / "runs").exists()
 
 
