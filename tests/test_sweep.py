@@ -577,6 +577,47 @@ def test_a_changed_sweep_under_the_same_id_is_refused_naming_the_changed_keys(tm
         p: v for p, v in kept.items() if p.name != "sweep.json"}
 
 
+def test_another_grid_under_the_same_id_is_refused_naming_both_grids(tmp_path, capsys):
+    """`--grid lr=...` then `--grid model.ffn_dim=...` under one --sweep-id: the new grid's
+    runs, named by another key, matched none recorded, so nothing was "changed"; they ran into
+    the same folder, and the table, summary and report mixed the two grids. Now refused as
+    changed options are, naming the folder, both grids' keys and the fix; more values of the
+    same keys still add runs."""
+    from cli_errors import error_line
+
+    flags = ["--recipe", "from-scratch", "--runs-root", str(tmp_path), "--sweep-id", "s",
+             "--no-progress", "--no-report", *TINY, "--steps", "2"]
+    assert sweep_main(["--grid", "lr=1e-3", *flags]) == 0
+    root = tmp_path / "s"
+    record = (root / "sweep.json").read_bytes()
+    fix = "give a new --sweep-id to run the changed sweep, or put them back"
+    for grids, keys in (
+            (["--grid", "model.ffn_dim=32"], "model.ffn_dim now, lr when the sweep started"),
+            (["--grid", "lr=1e-3", "--grid", "model.ffn_dim=32"],
+             "lr x model.ffn_dim now, lr when the sweep started")):
+        capsys.readouterr()
+        assert sweep_main([*grids, *flags]) == 2
+        assert error_line(capsys, "toymlx-sweep") == (
+            f"toymlx-sweep: error: {root}: --sweep-id s: expected the options this sweep was "
+            f"started with, found the grid's keys ({keys}) changed; {fix}")
+    assert (root / "sweep.json").read_bytes() == record
+    assert sorted(p.name for p in root.iterdir() if (p / "config.json").is_file()) == [
+        "lr=0.001"]
+    # the same keys in another order name the same runs otherwise: each would run twice
+    assert sweep_main(["--grid", "lr=1e-3", "--grid", "model.ffn_dim=32", *flags,
+                       "--sweep-id", "t"]) == 0
+    capsys.readouterr()
+    assert sweep_main(["--grid", "model.ffn_dim=32", "--grid", "lr=1e-3", *flags,
+                       "--sweep-id", "t"]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        f"toymlx-sweep: error: {tmp_path / 't'}: --sweep-id t: expected the options this sweep "
+        "was started with, found the grid's keys (model.ffn_dim x lr now, lr x model.ffn_dim "
+        f"when the sweep started: runs are named by the keys in order) changed; {fix}")
+    # more values of the same key add a run to the same sweep
+    assert sweep_main(["--grid", "lr=1e-3,3e-3", *flags]) == 0
+    assert [r["name"] for r in _sweep_json(root)["runs"]] == ["lr=0.001", "lr=0.003"]
+
+
 def _live_states(stream) -> list[str]:
     """The state column of each run's live line (not a terminal: `sweep: RUN  STATE  step`)."""
     return re.findall(r"^sweep: \S+  (.+?)  step ", stream.getvalue(), re.MULTILINE)

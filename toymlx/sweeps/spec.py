@@ -381,14 +381,36 @@ def _leaves(options: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _grid_keys(keys: Iterable[str]) -> str:
+    """A grid's keys as the messages name them: `lr x lora.rank` (every combination)."""
+    return " x ".join(keys)
+
+
+def _grid_changed(runs: Iterable[Mapping[str, Any]], specs: Sequence[RunSpec]) -> str | None:
+    """What `changed_options` says of a grid of other keys than the recorded runs' (None: the
+    same keys, in the same order): its runs, named by other keys, matched none recorded, and
+    the two grids shared one sweep folder, table and report (`--grid lr=...`, then
+    `--grid lora.rank=...` under the same --sweep-id)."""
+    then = list(dict.fromkeys(tuple(r["params"]) for r in runs
+                              if isinstance(r.get("params"), dict)))
+    now = tuple(specs[0].params) if specs else ()
+    if not then or now in then:
+        return None
+    # the same keys in another order name the same runs otherwise (lr=0.001_lora.rank=4 and
+    # lora.rank=4_lr=0.001): each would run twice
+    order = ": runs are named by the keys in order" if set(now) in map(set, then) else ""
+    return (f"the grid's keys ({_grid_keys(now)} now, "
+            f"{' or '.join(map(_grid_keys, then))} when the sweep started{order})")
+
+
 def changed_options(sweep_dir: Path, recipe: str, specs: Sequence[RunSpec],
                     run_options: Mapping[str, Any] | None,
                     inputs: Iterable[tuple[str, Any]] = ()) -> list[str]:
     """What differs from the sweep already in `sweep_dir` (its sweep.json): the recipe, keys of
-    the options every run takes from the config file, flags of a run of the same name, and an
-    input path (`inputs`, (flag, path) as typed) that names another file than when the sweep
-    started ("FLAG (PATH: FILE here, FILE then)"); [] for a new sweep, or the same one (more
-    runs may be added)."""
+    the options every run takes from the config file, the grid's keys (`_grid_changed`), flags
+    of a run of the same name, and an input path (`inputs`, (flag, path) as typed) that names
+    another file than when the sweep started ("FLAG (PATH: FILE here, FILE then)"); [] for a
+    new sweep, or the same one (more values of its keys add runs)."""
     try:
         old = json.loads((sweep_dir / report.SWEEP_FILE).read_text())
     except FileNotFoundError:
@@ -405,6 +427,8 @@ f"{sweep_dir / report.SWEEP_FILE}: expected the sweep's record (a JSON "
     before, now = _leaves(old.get("run_options") or {}), _leaves(run_options or {})
     changed = sorted(k for k in before.keys() | now.keys() if before.get(k, ...) != now.get(k, ...))
     runs = {r.get("name"): r for r in old.get("runs", []) if isinstance(r, dict)}
+    if grid := _grid_changed(runs.values(), specs):
+        changed.insert(0, grid)
     for s in specs:
         if s.name in runs:
             a, b = _flag_values(runs[s.name].get("args", [])), _flag_values(s.args)
