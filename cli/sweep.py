@@ -336,7 +336,7 @@ def _main(argv: list[str] | None) -> int:
                                  retry_failed=not args.no_retry_failed,
                                  progress=not args.no_progress, report_png=not args.no_report,
                                  run_options=run_options, inputs=inputs, config_file=path,
-                                 run_config=run_config)
+                                 run_config=run_config, said=notes)
     except (ValueError, OSError) as e:
         print(f"toymlx-sweep: error: {e}", file=sys.stderr)
         return 2

@@ -274,6 +274,51 @@ def test_the_live_line_says_what_a_running_run_does():
     assert view.cells(r)[1:3] == ["running", "2/40"]
 
 
+def test_the_runs_notes_are_said_once_each_naming_the_run_up_to_a_cap(tmp_path):
+    """A run's notes (rows cut at --seq-len, a warm-up longer than --steps) reached only its
+    log: the user watching the sweep never saw them. Now each distinct note is said once,
+    naming the first run that said it; not a step's line, nor a run's refusal or last line
+    (the sweep reports those), nor a note the sweep said before its runs; after `shown`
+    notes, one line names the logs."""
+    import io
+
+    from toymlx.sweeps.live import LiveView, RunNotes, SweptRun
+
+    cut = "toymlx: data/train.jsonl: train: of 80 examples, 3 cut to their first 257 tokens"
+    notes = RunNotes(tmp_path / "logs", said=["data: no valid.jsonl: ..."], shown=2)
+    assert notes.lines("lr=0.001", [
+        "step 2/10: train loss 5.5270, lr 3.000e-04", cut, "toymlx: data: no valid.jsonl: ...",
+        "toymlx-train: error: training split: expected at least 33 tokens",
+        "toymlx: completed at step 10. held-out: val_loss 5.4711. bundle: runs/s/lr=0.001",
+        "toymlx-train: interrupted before the first step; nothing was trained", cut]) == [
+        f"sweep: lr=0.001: {cut}"]
+    assert notes.lines("lr=0.003", [cut, "toymlx-train: --warmup 20 ... --lr 0.003",
+                                    "toymlx: warning: TOYMLX_BLAS ...",
+                                    "toymlx-train: --warmup 20 ... --lr 0.01"]) == [
+        "sweep: lr=0.003: toymlx-train: --warmup 20 ... --lr 0.003",
+        f"sweep: more than 2 notes from the runs: the rest are in their logs ({tmp_path / 'logs'})"]
+    assert notes.lines("lr=0.01", ["toymlx: another note"]) == []
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    # on a terminal, above the table, which is drawn again below them
+    out = Terminal()
+    view = LiveView(out, True, clock=lambda: 0.0)
+    r = SweptRun(sweep.RunSpec("lr=0.001", {}, ()), Path("lr=0.001"))
+    r.state = "running"
+    view.update([r], force=True)
+    table = out.getvalue()
+    view.say([f"sweep: lr=0.001: {cut}"])
+    assert table.count("\n") == 2  # its header and its run, redrawn in full below the note
+    assert out.getvalue() == f"{table}\x1b[2F\x1b[Jsweep: lr=0.001: {cut}\n{table}"
+    for enabled in (True, False):  # lines, and --no-progress: said all the same
+        out = io.StringIO()
+        LiveView(out, enabled).say(["sweep: lr=0.001: toymlx: a note"])
+        assert out.getvalue() == "sweep: lr=0.001: toymlx: a note\n"
+
+
 # ---------------------------------------------------------------- real sweeps
 
 def test_sweep_of_four_runs_completes_skips_on_restart_and_summary_matches(tmp_path, capsys):
@@ -327,6 +372,23 @@ def test_sweep_of_four_runs_completes_skips_on_restart_and_summary_matches(tmp_p
     # said up front (with no progress view the table was all a run again printed)
     assert capsys.readouterr().err.splitlines()[0] == (
         f"sweep {root}: 4 runs, 4 on this shard (0/1), 2 workers; 4 finished before, skipped")
+
+
+def test_a_note_a_run_says_in_its_log_is_said_by_the_sweep_once(tmp_path, capsys):
+    """Both runs say the same note in their logs (the recipe's --warmup 20 is longer than
+    --steps 2): the sweep says it once, naming the run that said it first; before, it was in
+    the logs alone."""
+    argv = ["--recipe", "from-scratch", "--grid", "model.ffn_dim=32,64", "--runs-root",
+            str(tmp_path), "--sweep-id", "n", "--no-progress", "--no-report", *TINY,
+            "--steps", "2"]
+    assert sweep_main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    logs = tmp_path / "n" / "logs"
+    warmup = [x for x in (logs / "model.ffn_dim=32.log").read_text().splitlines()
+              if x.startswith("toymlx-train: --warmup 20 (the recipe's default) is longer")]
+    assert len(warmup) == 1 and warmup[0] in (logs / "model.ffn_dim=64.log").read_text()
+    assert [x for x in err if x.startswith("sweep: model.ffn_dim=")
+            and ": toymlx" in x] == [f"sweep: model.ffn_dim=32: {warmup[0]}"]
 
 
 def test_failing_run_is_reported_and_the_others_complete(tmp_path, capsys):

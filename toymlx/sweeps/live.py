@@ -1,5 +1,6 @@
 """The live view of a sweep: each run's progress read from its growing events.jsonl
-(`EventTail`, absorbed into a `SweptRun`) and shown as a table (`LiveView`)."""
+(`EventTail`, absorbed into a `SweptRun`) and shown as a table (`LiveView`), and the notes its
+log says (`RunNotes`) said above it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -16,6 +17,7 @@ from typing import Any, TextIO
 from toymlx.backend.lock import Lock
 from toymlx.bundle.events import parse_event
 from toymlx.runner import report
+from toymlx.runner.api import HELD, NOTE
 from toymlx.sweeps.spec import RunSpec
 
 HEARTBEAT_S = 60.0
@@ -24,9 +26,9 @@ a terminal (a log file, CI, nohup): the other lines come only when a run's state
 figure changes, which left a log silent for minutes while the runs trained."""
 
 
-class EventTail:
-    """New complete events of a growing events.jsonl (a torn last line waits). A file replaced
-    by a resume (cut back to its checkpoint) is read again from its start."""
+class LineTail:
+    """New complete lines of a growing file (a torn last line waits). A file replaced, or cut
+    back (a resume's events.jsonl, cut to its checkpoint), is read again from its start."""
 
     def __init__(self, path: Path, skip_existing: bool = False):
         self.path = path
@@ -35,7 +37,7 @@ class EventTail:
             st = path.stat()
             self.ino, self.offset = st.st_ino, st.st_size
 
-    def read(self) -> list[dict]:
+    def lines(self) -> list[bytes]:
         try:
             with open(self.path, "rb") as f:
                 st = os.fstat(f.fileno())
@@ -47,8 +49,59 @@ class EventTail:
             return []
         end = data.rfind(b"\n") + 1
         self.offset += end
-        events = (parse_event(raw) for raw in data[:end].splitlines())
+        return data[:end].splitlines()
+
+
+class EventTail(LineTail):
+    """New complete events of a growing events.jsonl (`LineTail`)."""
+
+    def read(self) -> list[dict]:
+        events = (parse_event(raw) for raw in self.lines())
         return [ev for ev in events if ev is not None]
+
+
+NOTES_SHOWN = 20
+"""The most distinct notes of its runs a sweep says on its console (`RunNotes`); the rest are in
+the runs' logs alone: a note naming a run's own value (the warm-up's names --lr) is one a run,
+and a grid of 100 learning rates would say 100."""
+
+
+def run_note(line: str) -> str | None:
+    """What a line of a run's log notes (its text after `toymlx: ` or `toymlx-train: `), None
+    for any other line: a step's, or the run's refusal or last line (`HELD`), which the sweep
+    says itself (its table, and a FAILED line)."""
+    m = NOTE.match(line)
+    return None if m is None or HELD.match(line) else line[m.end():]
+
+
+class RunNotes:
+    """The notes runs say in their logs (`run_note`: rows cut at --seq-len, a warm-up longer
+    than --steps), for the sweep's console: each distinct one once, naming the first run that
+    said it, up to `shown`, then one line naming `logs`, which hold the rest. During a sweep
+    they reached only the logs, and the user watching it never saw them."""
+
+    def __init__(self, logs: Path, said: Iterable[str] = (), shown: int = NOTES_SHOWN):
+        self.logs, self.shown = logs, shown
+        self.said = set(said)
+        """The notes said (the sweep's own of the runs' examples, said before any run)"""
+        self.count = 0
+
+    def lines(self, run: str, lines: Iterable[str]) -> list[str]:
+        """The console lines for `lines` of run `run`'s log: `sweep: RUN: LINE` for a note not
+        said before."""
+        out = []
+        for line in lines:
+            note = run_note(line)
+            if note is None or note in self.said:
+                continue
+            self.said.add(note)
+            self.count += 1
+            if self.count <= self.shown:
+                out.append(f"sweep: {run}: {line}")
+            elif self.count == self.shown + 1:
+                out.append(f"sweep: more than {self.shown} notes from the runs: the rest are in "
+                           f"their logs ({self.logs})")
+        return out
 
 
 @dataclass
@@ -62,6 +115,8 @@ class SweptRun:
     """This sweep's claim on the run, held while its child trains."""
     log: Any = None
     tail: EventTail | None = None
+    log_tail: LineTail | None = None
+    """The lines its child adds to its log, read for their notes (`RunNotes`)."""
     action: str = ""
     """How this sweep started its child: start, restart or resume (its log says so)."""
     phase: str = ""
@@ -149,6 +204,8 @@ class LiveView:
         self.stream, self.enabled = stream, enabled
         self.tty = enabled and hasattr(stream, "isatty") and stream.isatty()
         self.drawn = 0
+        self.shown: list[SweptRun] = []
+        """The runs of the table last drawn on the terminal (`say` draws it again)"""
         self.last: dict[str, str] = {}
         self.t_draw = 0.0
         self.heartbeat, self.clock = heartbeat, clock
@@ -169,10 +226,26 @@ class LiveView:
                 f"{report.fmt(r.rate)} {r.unit}" if r.rate is not None else "-",
                 f"{wall:.0f}s" if wall is not None else "-"]
 
+    def say(self, lines: list[str]) -> None:
+        """Write `lines` (the runs' notes: `RunNotes`) whether or not progress is shown; on a
+        terminal above the table, drawn again below them (written under it, they were drawn
+        over at the next redraw)."""
+        if not lines:
+            return
+        table = self.tty and self.drawn
+        if table:  # back to the table's first line, and the screen cleared from there
+            self.stream.write(f"\x1b[{self.drawn}F\x1b[J")
+            self.drawn = 0
+        self.stream.write("".join(f"{x}\n" for x in lines))
+        self.stream.flush()
+        if table:
+            self.update(self.shown, force=True)
+
     def update(self, runs: list[SweptRun], force: bool = False) -> None:
         if not self.enabled:
             return
         if self.tty:
+            self.shown = runs
             now = time.time()
             if not force and now - self.t_draw < 0.5:
                 return

@@ -42,7 +42,7 @@ from toymlx.bundle.events import read_events
 from toymlx.bundle.folder import UNWRITABLE, check_folder_name
 from toymlx.bundle.outputs import check_output
 from toymlx.runner import report
-from toymlx.sweeps.live import HEARTBEAT_S, EventTail, LiveView, SweptRun
+from toymlx.sweeps.live import HEARTBEAT_S, EventTail, LineTail, LiveView, RunNotes, SweptRun
 from toymlx.sweeps.spec import (
     RunSpec,
     changed_options,
@@ -146,8 +146,10 @@ class _Runner:
 
     def __init__(self, recipe: str, sweep_dir: Path, runs: list[SweptRun], workers: int,
                  retry_failed: bool, busy_wait: float, python: str, view: LiveView,
-                 stream: TextIO, run_options: Path | None = None):
+                 stream: TextIO, run_options: Path | None = None, said: Sequence[str] = ()):
         self.recipe, self.sweep_dir, self.runs, self.workers = recipe, sweep_dir, runs, workers
+        self.notes = RunNotes(sweep_dir / "logs", said)
+        """What the runs note in their logs, said on the console (`said`: said there before)"""
         self.run_options = run_options
         """The file of options every new run takes as `-c` (None: none)."""
         self.retry_failed, self.busy_wait = retry_failed, busy_wait
@@ -193,6 +195,7 @@ class _Runner:
                     break
                 for r in active:
                     r.absorb(r.tail.read())
+                    self._say_notes(r)
                     if r.proc.poll() is not None:
                         self._finish(r)
                 if requests > self.forwarded:
@@ -270,6 +273,7 @@ class _Runner:
             raise atomic.named(e, log_path) from None
         # a resumed run's history is shown, but its outcome is read from what it adds
         r.tail = EventTail(r.dir / "events.jsonl", skip_existing=True)
+        r.log_tail = LineTail(log_path, skip_existing=True)  # its notes: those of this attempt
         if r.action == "resume":
             r.absorb(read_events(r.dir))
         r.reason, r.message = None, None
@@ -283,6 +287,7 @@ class _Runner:
         code = r.proc.wait()
         r.log.close()
         r.absorb(r.tail.read())
+        self._say_notes(r)
         r.wall = time.time() - r.started
         reason = r.reason
         if code == 0 and reason == "completed":
@@ -305,6 +310,11 @@ class _Runner:
             # ended; before, the sweep ended here, its other runs killed, no summary written)
             self.stream.write(f"sweep: {r.spec.name}: could not record how it ended ({e})\n")
         r.release()
+
+    def _say_notes(self, r: SweptRun) -> None:
+        """The notes of the lines the run's child added to its log (`RunNotes`)."""
+        lines = (x.decode(errors="replace").rstrip() for x in r.log_tail.lines())
+        self.view.say(self.notes.lines(r.spec.name, lines))
 
     def _forward(self, active: list[SweptRun], requests: int, grace: float = 120.0) -> None:
         """Pass each new stop request on as SIGINT (the run checkpoints and ends; a second one
@@ -333,7 +343,8 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
               python: str | None = None, report_png: bool = True,
               busy_wait: float = 60.0, run_options: Mapping[str, Any] | None = None,
               inputs: Sequence[tuple[str, Any]] = (), config_file: str | None = None,
-              heartbeat: float = HEARTBEAT_S, run_config: bool = False) -> SweepResult:
+              heartbeat: float = HEARTBEAT_S, run_config: bool = False,
+              said: Sequence[str] = ()) -> SweepResult:
     """Run this machine's share of `specs` as `toymlx-train` subprocesses, `workers` at a
     time, under `<root>/<sweep_id>/`; then summarize the whole sweep (summary.csv/.jsonl,
     report.png). Completed (and diverged) runs are skipped, torn ones resumed, failed ones
@@ -348,7 +359,9 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     file): what the sweep's folder, written into, must not hold or lie in; sweep.json records
     the files `inputs` name, which a sweep continued from another folder must name again
     (`changed_options`). With `progress` and a `stream` that is not a terminal, a line of the
-    runs in flight every `heartbeat` seconds."""
+    runs in flight every `heartbeat` seconds. What a run notes in its log (rows cut at --seq-len)
+    is said on `stream` too, once per note (`RunNotes`), unless it is among `said` (notes the
+    caller said before, as `toymlx-sweep` says those of the runs' examples)."""
     if workers < 1:
         raise ValueError(f"--workers: expected >= 1, found {workers}")
     if not specs:
@@ -402,7 +415,7 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     runs = [SweptRun(s, sweep_dir / s.name) for s in mine]
     runner = _Runner(recipe, sweep_dir, runs, workers, retry_failed, busy_wait,
                      python or sys.executable, LiveView(stream, progress, heartbeat), stream,
-                     options_file)
+                     options_file, said)
     interrupted = runner.run()
 
     result = summarize_sweep(sweep_dir, report_png=report_png, stream=stream)
