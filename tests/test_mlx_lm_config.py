@@ -1166,6 +1166,60 @@ def test_mask_prompt_on_text_data_is_refused_as_mlx_lm_refuses_it(tmp_path, base
     assert main(["-c", str(path), "--no-progress", "--no-compile", "--data.no-mask-prompt"]) == 0
 
 
+def _text_folder(root: Path) -> Path:
+    """An mlx-lm data folder of {"text": ...} rows: train, valid and test."""
+    root.mkdir()
+    for split in ("train", "valid", "test"):
+        (root / f"{split}.jsonl").write_text(
+            "".join(json.dumps({"text": f"row {i} of some text"}) + "\n" for i in range(6)))
+    return root
+
+
+def _masks_nothing(file: Path, scored: str = "trains") -> str:
+    return ("--data.mask-prompt: expected prompt and completion or messages rows (a prompt to "
+            f"mask), found {{'text': ...}} rows in {file} (nothing to mask: every token "
+            f"{scored}; mlx-lm refuses prompt masking on a text dataset); drop "
+            "--data.mask-prompt")
+
+
+def test_data_mask_prompt_given_on_text_rows_is_refused_by_train_eval_and_sweep(
+        tmp_path, base, capsys):
+    """--data.mask-prompt given on a folder of {"text": ...} rows was taken and masked nothing
+    (every token trained, or was scored); mlx-lm's create_dataset refuses mask_prompt on a text
+    dataset. toymlx-train (flags, or the flag over an mlx-lm file, which skipped the file's
+    check), toymlx-eval and toymlx-sweep's pre-check refuse it in one line naming the file; a
+    run that does not give it (toymlx's default, masked) still trains on text rows."""
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.sweep import main as sweep_main
+
+    root = _text_folder(tmp_path / "text")
+    runs = tmp_path / "runs"
+    flags = ["--recipe", "lora", "--base", str(base), "--data.path", str(root), "--steps", "1",
+             "--batch-size", "2", "--seq-len", "32", "--no-progress", "--no-compile",
+             "--runs-root", str(runs)]
+    assert main([*flags, "--run-id", "given", "--data.mask-prompt"]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {_masks_nothing(root / 'train.jsonl')}"
+    assert main([*flags, "--run-id", "default"]) == 0
+    assert sorted(p.name for p in runs.iterdir()) == ["default"]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(root), "iters": 1,
+                                    "batch_size": 2, "num_layers": 1, "max_seq_length": 64}))
+    assert main(["-c", str(path), "--data.mask-prompt", "--runs-root", str(runs), "--run-id",
+                 "c", "--no-progress"]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {_masks_nothing(root / 'train.jsonl')}"
+    assert eval_main(["--model", str(base), "--data.path", str(root), "--data.mask-prompt",
+                      "--no-progress"]) == 2
+    assert error_line(capsys, "toymlx-eval") == (
+        f"toymlx-eval: error: {_masks_nothing(root / 'test.jsonl', 'is scored')}")
+    assert sweep_main(["-c", str(path), "--grid", "lr=1e-4,3e-4", "--runs-root",
+                       str(tmp_path / "s"), "--sweep-id", "m", "--no-progress", "--no-report",
+                       "--", "--data.mask-prompt"]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        f"toymlx-sweep: error: run lr=0.0001: {_masks_nothing(root / 'train.jsonl')}; no run "
+        "was started")
+    assert not (tmp_path / "s").exists()
+
+
 def test_the_mask_prompt_check_reads_train_jsonl_s_first_example_only(tmp_path, base, chats,
                                                                       monkeypatch):
     """The check that mask_prompt: true has no text data read all of train.jsonl, and the
