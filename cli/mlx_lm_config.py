@@ -198,7 +198,7 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
         vb = given["val_batches"]
         _want(source, "val_batches", _int(vb) and (vb >= 1 or vb == -1),
               "an integer >= 1, or -1 (every batch)", vb)
-        put("val_batches", "eval_batches", 2**31 - 1 if vb == -1 else vb)
+        put("val_batches", "eval_batches", vb)  # -1: every batch, as toymlx spells it too
     if given["fine_tune_type"] != "full":
         _lora(given["lora_parameters"], source, put)
     if "lr_schedule" in data:

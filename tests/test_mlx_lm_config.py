@@ -24,6 +24,7 @@ from toymlx_cli.mlx_lm_config import (
     MLX_LM_DEFAULTS,
     is_mlx_lm_config,
     mlx_lm_options,
+    mlx_lm_table,
 )
 from toymlx_cli.train import main
 
@@ -876,7 +877,7 @@ def test_a_config_run_validates_the_base_before_step_1_once(tmp_path, base, chat
     steps = [e for e in read_events(run) if e["kind"] == "step"]
     assert evals[0]["t"] < steps[0]["t"]
     cfg = Bundle.open(run).config
-    assert (cfg.eval_at_start, cfg.data.train_turns) == (True, "last")
+    assert (cfg.eval_at_start, cfg.data.train_turns, cfg.eval_batches) == (True, "last", -1)
     base_loss = evaluate_chat(Args(model=str(base), split="val"), cfg)["val_loss"]
     assert evals[0]["val_loss"] == pytest.approx(base_loss, abs=1e-5)
     assert abs(evals[1]["val_loss"] - base_loss) > 1e-3  # step 2's: trained
@@ -926,6 +927,27 @@ def test_a_run_on_renamed_keys_is_scored_and_resumed_on_them(tmp_path, base, dat
     assert error_line(capsys) == (
         "toymlx-train: error: --data.keys: expected KEY=NAME with KEY one of prompt, "
         "completion, text, messages (a row's NAME read as its KEY), found 'answer=answer'")
+
+
+def test_val_batches_minus_one_is_toymlx_s_eval_batches_minus_one():
+    """mlx-lm's val_batches -1 (every validation batch) was shown in the table, and recorded in
+    config.json, as --eval-batches 2147483647; it is now toymlx's own spelling of every batch,
+    --eval-batches -1 (toymlx-eval's, and toymlx-train's)."""
+    from types import SimpleNamespace
+
+    from toymlx_cli.export import eval_rows
+
+    options, rows, _ = mlx_lm_options({"iters": 2, "val_batches": -1}, "f.yaml")
+    assert options["eval_batches"] == -1
+    assert ("val_batches", "--eval-batches", -1, "file") in rows
+    line = next(x for x in mlx_lm_table(rows).splitlines() if x.startswith("val_batches"))
+    assert line.split() == ["val_batches", "--eval-batches", "-1", "file"]
+    assert mlx_lm_options({"iters": 2, "val_batches": 3}, "f.yaml")[0]["eval_batches"] == 3
+    # toymlx-export --fuse's held-out line names the rows such a run scores
+    assert eval_rows(SimpleNamespace(eval_batches=-1, batch_size=4)) == (
+        "all of them, --eval-batches -1")
+    assert eval_rows(SimpleNamespace(eval_batches=8, batch_size=4)) == (
+        "the first --eval-batches 8 x --batch-size 4")
 
 
 def test_the_val_loss_of_an_iteration_is_noted_as_one_update_apart():

@@ -1907,10 +1907,13 @@ class SFTData:
         ends = trained_ends(self.train["mask"])[rows]
         return fitted_width(ends.reshape(len(steps), per).max(axis=1), width)
 
-    def val_batches(self, batch_size: int, max_batches: int, grad_checkpoint: bool = False
-                    ) -> list[dict[str, np.ndarray]]:
-        """`sft_val_batches` over the validation rows, `held_out_call_rows` a batch."""
-        return sft_val_batches(self.val, batch_size, max_batches,
+    def val_batches(self, batch_size: int, max_batches: int | None,
+                    grad_checkpoint: bool = False) -> list[dict[str, np.ndarray]]:
+        """`sft_val_batches` over the validation rows (the first `max_batches` batches' worth;
+        None: every row), `held_out_call_rows` a batch."""
+        most = math.ceil(len(self.val["inputs"]) / batch_size) if max_batches is None \
+            else max_batches
+        return sft_val_batches(self.val, batch_size, most,
                                held_out_call_rows(batch_size, grad_checkpoint))
 
     def test_batches(self, batch_size: int, grad_checkpoint: bool = False

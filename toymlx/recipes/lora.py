@@ -88,7 +88,7 @@ from toymlx.training.fused import (
 )
 from toymlx.training.optimizers import Adam
 from toymlx.training.schedule import lr_at
-from toymlx.training.task import Task, TrainConfig
+from toymlx.training.task import Task, TrainConfig, eval_batch_limit
 from toymlx.training.task import make_optimizer as adamw
 
 DEFAULT_DATA = fixture_path("python_qa", "python_qa.jsonl")
@@ -585,7 +585,8 @@ def build(cfg: Config, ops: Ops) -> Task:
         train_batch=lambda s: data.batch(s, cfg.seed, cfg.batch_size, cfg.grad_accum),
         batch_widths=None if data.pack else (
             lambda steps: data.batch_widths(steps, cfg.seed, cfg.batch_size, cfg.grad_accum)),
-        val_batches=data.val_batches(cfg.batch_size, cfg.eval_batches, cfg.grad_checkpoint),
+        val_batches=data.val_batches(cfg.batch_size, eval_batch_limit(cfg.eval_batches),
+                                     cfg.grad_checkpoint),
         save=save, load=load, model_info=info,
         config_info={"context": cfg.seq_len, "base_dtype_resolved": dtype,
                      **({} if full else {"lora_targets_resolved": ",".join(targets)}),
