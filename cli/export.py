@@ -418,8 +418,7 @@ def heldout_note(base: Path, adapter: str, fused: Path, dtype: str | None = None
     names = " and ".join([", ".join(passes[:-1]), passes[-1]] if len(passes) > 1 else passes)
     print(f"{PROG}: scoring the held-out loss of {names} on the run's "
           + (f"{counted(recorded, 'validation row')}" if recorded is not None else
-             f"validation rows (the first --eval-batches {cfg.eval_batches} x --batch-size "
-             f"{cfg.batch_size})")
+             f"validation rows ({eval_rows(cfg)})")
           + ", to say how much of the fine-tune the file keeps (--no-held-out skips it)",
           file=sys.stderr, flush=True)
     try:
@@ -445,11 +444,16 @@ def heldout_note(base: Path, adapter: str, fused: Path, dtype: str | None = None
               else "no change to give: a loss is not finite")
     rows = "the validation row" if n == 1 else f"the {n} validation rows"
     error = gain_error(start_rows.loss, tuned_rows.loss, tuned_rows.n)
-    return (f"held-out loss on {rows} the run scores ({held.source}; the first "
-            f"--eval-batches {cfg.eval_batches} x --batch-size {cfg.batch_size}): "
+    return (f"held-out loss on {rows} the run scores ({held.source}; {eval_rows(cfg)}): "
             f"base {start:.4f} ({start_from}), base + adapter {ref:.4f} ({ref_from}), fused "
             f"file {got:.4f} ({change}); "
             f"{gain_note(start, ref, got, regrid(base, dtype), error, n)}")
+
+
+def eval_rows(cfg: Any) -> str:
+    """Which validation rows the run of config `cfg` scores, as its flags say it."""
+    return ("all of them, --eval-batches -1" if cfg.eval_batches == -1 else
+            f"the first --eval-batches {cfg.eval_batches} x --batch-size {cfg.batch_size}")
 
 
 def gain_error(base_rows: Any, tuned_rows: Any, counts: Any) -> float:

@@ -198,7 +198,7 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
         vb = given["val_batches"]
         _want(source, "val_batches", _int(vb) and (vb >= 1 or vb == -1),
               "an integer >= 1, or -1 (every batch)", vb)
-        put("val_batches", "eval_batches", 2**31 - 1 if vb == -1 else vb)
+        put("val_batches", "eval_batches", vb)  # -1: every batch, as toymlx spells it too
     if given["fine_tune_type"] != "full":
         _lora(given["lora_parameters"], source, put)
     if "lr_schedule" in data:
@@ -606,20 +606,17 @@ def _test_batches(data: dict[str, Any], test: Any, source: str) -> list[str]:
 def mlx_lm_mask_prompt(cfg: Any, source: str) -> None:
     """ConfigFileError (one line) for mask_prompt true on text data ({"text": ...} rows, or a
     plain-text file): mlx-lm refuses it ("Prompt masking not supported for text dataset"),
-    where toymlx's lora recipe would train every token of it. The file's first example alone
-    is read (`first_kind`): the recipe reads all of train.jsonl once, after this."""
-    from toymlx.data.chat import data_files, first_kind, row_keys
+    where toymlx's lora recipe would train every token of it. Each split file's first example
+    alone is read (`text_rows_file`): the recipe reads all of train.jsonl once, after this."""
+    from toymlx.data.chat import row_keys, text_rows_file
 
     if not cfg.data.mask_prompt or not cfg.data.path:
         return
-    try:
-        train = data_files(cfg.data.path).train
-        kind = first_kind(train, row_keys(cfg.data.keys))
-    except (ValueError, OSError):  # refused by the recipe, naming the file
-        return
-    if kind == "text":
+    text = text_rows_file(cfg.data.path, row_keys(cfg.data.keys),
+                          ("train", "valid", "test") if cfg.test else ("train", "valid"))
+    if text is not None:
         raise ConfigFileError(f"{source}: key 'mask_prompt': expected false for text data "
-                              f"({train} holds {{'text': ...}} rows, no prompt and completion "
+                              f"({text} holds {{'text': ...}} rows, no prompt and completion "
                               "or messages; mlx-lm refuses prompt masking on a text dataset), "
                               "found true")
 

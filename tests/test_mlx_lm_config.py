@@ -24,6 +24,7 @@ from toymlx_cli.mlx_lm_config import (
     MLX_LM_DEFAULTS,
     is_mlx_lm_config,
     mlx_lm_options,
+    mlx_lm_table,
 )
 from toymlx_cli.train import main
 
@@ -876,7 +877,7 @@ def test_a_config_run_validates_the_base_before_step_1_once(tmp_path, base, chat
     steps = [e for e in read_events(run) if e["kind"] == "step"]
     assert evals[0]["t"] < steps[0]["t"]
     cfg = Bundle.open(run).config
-    assert (cfg.eval_at_start, cfg.data.train_turns) == (True, "last")
+    assert (cfg.eval_at_start, cfg.data.train_turns, cfg.eval_batches) == (True, "last", -1)
     base_loss = evaluate_chat(Args(model=str(base), split="val"), cfg)["val_loss"]
     assert evals[0]["val_loss"] == pytest.approx(base_loss, abs=1e-5)
     assert abs(evals[1]["val_loss"] - base_loss) > 1e-3  # step 2's: trained
@@ -926,6 +927,27 @@ def test_a_run_on_renamed_keys_is_scored_and_resumed_on_them(tmp_path, base, dat
     assert error_line(capsys) == (
         "toymlx-train: error: --data.keys: expected KEY=NAME with KEY one of prompt, "
         "completion, text, messages (a row's NAME read as its KEY), found 'answer=answer'")
+
+
+def test_val_batches_minus_one_is_toymlx_s_eval_batches_minus_one():
+    """mlx-lm's val_batches -1 (every validation batch) was shown in the table, and recorded in
+    config.json, as --eval-batches 2147483647; it is now toymlx's own spelling of every batch,
+    --eval-batches -1 (toymlx-eval's, and toymlx-train's)."""
+    from types import SimpleNamespace
+
+    from toymlx_cli.export import eval_rows
+
+    options, rows, _ = mlx_lm_options({"iters": 2, "val_batches": -1}, "f.yaml")
+    assert options["eval_batches"] == -1
+    assert ("val_batches", "--eval-batches", -1, "file") in rows
+    line = next(x for x in mlx_lm_table(rows).splitlines() if x.startswith("val_batches"))
+    assert line.split() == ["val_batches", "--eval-batches", "-1", "file"]
+    assert mlx_lm_options({"iters": 2, "val_batches": 3}, "f.yaml")[0]["eval_batches"] == 3
+    # toymlx-export --fuse's held-out line names the rows such a run scores
+    assert eval_rows(SimpleNamespace(eval_batches=-1, batch_size=4)) == (
+        "all of them, --eval-batches -1")
+    assert eval_rows(SimpleNamespace(eval_batches=8, batch_size=4)) == (
+        "the first --eval-batches 8 x --batch-size 4")
 
 
 def test_the_val_loss_of_an_iteration_is_noted_as_one_update_apart():
@@ -1164,6 +1186,60 @@ def test_mask_prompt_on_text_data_is_refused_as_mlx_lm_refuses_it(tmp_path, base
     assert not (tmp_path / "runs" / "r").exists()
     # the command line's --data.no-mask-prompt wins over the file, as mlx-lm's flags do
     assert main(["-c", str(path), "--no-progress", "--no-compile", "--data.no-mask-prompt"]) == 0
+
+
+def _text_folder(root: Path) -> Path:
+    """An mlx-lm data folder of {"text": ...} rows: train, valid and test."""
+    root.mkdir()
+    for split in ("train", "valid", "test"):
+        (root / f"{split}.jsonl").write_text(
+            "".join(json.dumps({"text": f"row {i} of some text"}) + "\n" for i in range(6)))
+    return root
+
+
+def _masks_nothing(file: Path, scored: str = "trains") -> str:
+    return ("--data.mask-prompt: expected prompt and completion or messages rows (a prompt to "
+            f"mask), found {{'text': ...}} rows in {file} (nothing to mask: every token "
+            f"{scored}; mlx-lm refuses prompt masking on a text dataset); drop "
+            "--data.mask-prompt")
+
+
+def test_data_mask_prompt_given_on_text_rows_is_refused_by_train_eval_and_sweep(
+        tmp_path, base, capsys):
+    """--data.mask-prompt given on a folder of {"text": ...} rows was taken and masked nothing
+    (every token trained, or was scored); mlx-lm's create_dataset refuses mask_prompt on a text
+    dataset. toymlx-train (flags, or the flag over an mlx-lm file, which skipped the file's
+    check), toymlx-eval and toymlx-sweep's pre-check refuse it in one line naming the file; a
+    run that does not give it (toymlx's default, masked) still trains on text rows."""
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.sweep import main as sweep_main
+
+    root = _text_folder(tmp_path / "text")
+    runs = tmp_path / "runs"
+    flags = ["--recipe", "lora", "--base", str(base), "--data.path", str(root), "--steps", "1",
+             "--batch-size", "2", "--seq-len", "32", "--no-progress", "--no-compile",
+             "--runs-root", str(runs)]
+    assert main([*flags, "--run-id", "given", "--data.mask-prompt"]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {_masks_nothing(root / 'train.jsonl')}"
+    assert main([*flags, "--run-id", "default"]) == 0
+    assert sorted(p.name for p in runs.iterdir()) == ["default"]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(root), "iters": 1,
+                                    "batch_size": 2, "num_layers": 1, "max_seq_length": 64}))
+    assert main(["-c", str(path), "--data.mask-prompt", "--runs-root", str(runs), "--run-id",
+                 "c", "--no-progress"]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {_masks_nothing(root / 'train.jsonl')}"
+    assert eval_main(["--model", str(base), "--data.path", str(root), "--data.mask-prompt",
+                      "--no-progress"]) == 2
+    assert error_line(capsys, "toymlx-eval") == (
+        f"toymlx-eval: error: {_masks_nothing(root / 'test.jsonl', 'is scored')}")
+    assert sweep_main(["-c", str(path), "--grid", "lr=1e-4,3e-4", "--runs-root",
+                       str(tmp_path / "s"), "--sweep-id", "m", "--no-progress", "--no-report",
+                       "--", "--data.mask-prompt"]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        f"toymlx-sweep: error: run lr=0.0001: {_masks_nothing(root / 'train.jsonl')}; no run "
+        "was started")
+    assert not (tmp_path / "s").exists()
 
 
 def test_the_mask_prompt_check_reads_train_jsonl_s_first_example_only(tmp_path, base, chats,

@@ -735,6 +735,30 @@ def test_an_mlx_lm_folder_s_record_covers_the_files_the_run_reads(tmp_path, caps
         "trains on its own data: restore it, or start a new run on this data")
 
 
+def test_a_resume_that_adds_test_is_refused_naming_toymlx_eval(tmp_path, capsys):
+    """A run of no --test records train and valid alone (`only`): a --resume adding --test
+    would score a test.jsonl the run's record never covered (edited or added since, unchecked).
+    It is refused in one line, whose fix was "start a new run to change it": it now names
+    toymlx-eval --split test (mlx_lm.lora --test on an adapter folder), which scores it; the
+    record and the events are as the run left them."""
+    data = mlx_lm_folder(tmp_path / "data")
+    run = _stopped_lora_run(tmp_path, data)
+    config = (run / "config.json").read_text()
+    events = (run / "events.jsonl").read_text()
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(run), "--test", "--no-progress"]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {run}: --resume: --test: expected the run's saved test = False, "
+        "found True; a resumed run keeps its configuration (only --steps and run-local options "
+        f"such as --eval-every may change): score its test set with toymlx-eval --model {run} "
+        "--split test, or start a new run with --test")
+    assert (run / "config.json").read_text() == config
+    assert (run / "events.jsonl").read_text() == events
+    assert _cli("eval")(["--model", str(run), "--split", "test", "--no-progress"]) == 0
+    scored = json.loads(capsys.readouterr().out)
+    assert (scored["split"], scored["data"]) == ("test", str(data / "test.jsonl"))
+
+
 def test_a_run_of_test_records_test_jsonl_and_an_older_record_of_it_still_resumes(
         tmp_path, capsys, monkeypatch):
     """A run of --test reads test.jsonl at its end: its record covers it, so a test.jsonl edit

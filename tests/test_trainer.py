@@ -591,3 +591,29 @@ def test_a_config_files_model_shape_is_named_by_its_key_spelled_as_the_flag(tmp_
                                   "{n_kv_heads}': expected a divisor of --model.n-heads (8, the "
                                   "preset's), "
                                   "found 3")
+
+
+def test_eval_batches_minus_one_validates_every_window(tmp_path, text_file, capsys):
+    """--eval-batches -1 is every validation batch (toymlx-eval's -1, mlx-lm's --val-batches
+    -1, which an mlx-lm config now maps to it rather than to 2147483647); it was refused (">=
+    1"). Its val loss is that of a count past the split's windows, not the first batch's;
+    config.json records -1; -2 is refused naming both spellings."""
+    data = tmp_path / "small.txt"
+    data.write_text(Path(text_file).read_text()[:20_000])
+    common = ["--steps", "1", "--eval-every", "1", "--no-compile", "--data.path", str(data)]
+
+    def val_loss(run_id: str, batches: str) -> float:
+        run = _run(tmp_path, run_id, *common, "--eval-batches", batches, data=str(data))
+        return [e["val_loss"] for e in read_events(run) if e["kind"] == "eval"][-1]
+
+    every = val_loss("every", "-1")
+    assert every == val_loss("many", "100000")
+    assert every != val_loss("first", "1")
+    saved = json.loads((tmp_path / "every" / "config.json").read_text())
+    assert saved["config"]["eval_batches"] == -1
+    capsys.readouterr()
+    assert main(["--recipe", "from-scratch", *TINY, *common, "--eval-batches", "-2",
+                 "--runs-root", str(tmp_path), "--run-id", "bad"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "toymlx-train: error: --eval-batches: expected >= 1, or -1 (every validation batch), "
+        "found -2")

@@ -83,11 +83,13 @@ __all__ = [
     "fitted_rows",
     "fitted_width",
     "load_examples",
+    "mask_prompt_on_text",
     "pack_or_pad",
     "sft_batch",
     "sft_val_batches",
     "split_examples",
     "test_file",
+    "text_rows_file",
     "tokenize_example",
     "trained_positions",
 ]
@@ -669,6 +671,35 @@ def first_kind(path: str | Path, keys: Mapping[str, str] | None = None) -> str:
     finally:
         pieces.close()
     return load_examples(path, keys)[0].kind  # its last line, or no example: the reader's answer
+
+
+def text_rows_file(path: str | Path, keys: Mapping[str, str] | None = None,
+                   splits: Sequence[str] = ("train", "valid")) -> Path | None:
+    """The first example file of the data path `path` (a file, or those of a data folder's
+    `splits` that are there) whose rows are text (`first_kind`: {"text": ...} rows, a plain-text
+    file), where mask_prompt has no prompt to mask, as mlx-lm's create_dataset finds it ("Prompt
+    masking not supported for text dataset"); None for none. A file that does not read is
+    left to the reader, which names it."""
+    try:
+        files = data_files(path)
+        found = [f for f in (getattr(files, s) for s in splits) if f is not None] \
+            if Path(path).is_dir() else [files.train]  # a file is every split
+        return next((f for f in found if first_kind(f, keys) == "text"), None)
+    except (ValueError, OSError):
+        return None
+
+
+def mask_prompt_on_text(path: str | Path, keys: Mapping[str, str] | None = None,
+                        splits: Sequence[str] = ("train", "valid"), scored: str = "trains"
+                        ) -> None:
+    """DataError (one line) for --data.mask-prompt given on text data (`text_rows_file`), where
+    it masks nothing and every token `scored` (trains, is scored): mlx-lm refuses it; toymlx
+    took it without a word."""
+    if (f := text_rows_file(path, keys, splits)) is not None:
+        raise DataError(f"--data.mask-prompt: expected prompt and completion or messages rows "
+                        f"(a prompt to mask), found {{'text': ...}} rows in {f} (nothing to "
+                        f"mask: every token {scored}; mlx-lm refuses prompt masking on a text "
+                        "dataset); drop --data.mask-prompt")
 
 
 def _first_kind_in(text: str, path: Path, keys: Mapping[str, str] | None = None
@@ -1876,10 +1907,13 @@ class SFTData:
         ends = trained_ends(self.train["mask"])[rows]
         return fitted_width(ends.reshape(len(steps), per).max(axis=1), width)
 
-    def val_batches(self, batch_size: int, max_batches: int, grad_checkpoint: bool = False
-                    ) -> list[dict[str, np.ndarray]]:
-        """`sft_val_batches` over the validation rows, `held_out_call_rows` a batch."""
-        return sft_val_batches(self.val, batch_size, max_batches,
+    def val_batches(self, batch_size: int, max_batches: int | None,
+                    grad_checkpoint: bool = False) -> list[dict[str, np.ndarray]]:
+        """`sft_val_batches` over the validation rows (the first `max_batches` batches' worth;
+        None: every row), `held_out_call_rows` a batch."""
+        most = math.ceil(len(self.val["inputs"]) / batch_size) if max_batches is None \
+            else max_batches
+        return sft_val_batches(self.val, batch_size, most,
                                held_out_call_rows(batch_size, grad_checkpoint))
 
     def test_batches(self, batch_size: int, grad_checkpoint: bool = False

@@ -44,6 +44,7 @@ from toymlx.data import fixture_path
 from toymlx.data.chat import (
     SFTData,
     SplitExamples,
+    mask_prompt_on_text,
     no_chat_template,
     row_keys,
     split_files_read,
@@ -87,7 +88,7 @@ from toymlx.training.fused import (
 )
 from toymlx.training.optimizers import Adam
 from toymlx.training.schedule import lr_at
-from toymlx.training.task import Task, TrainConfig
+from toymlx.training.task import Task, TrainConfig, eval_batch_limit
 from toymlx.training.task import make_optimizer as adamw
 
 DEFAULT_DATA = fixture_path("python_qa", "python_qa.jsonl")
@@ -304,13 +305,18 @@ def check_applies(cfg: Config, given: Collection[str] = ()) -> None:
     """A new run's options checked for ones set where they do not apply: --lora.* with
     --fine-tune-type full (no adapters are trained), --full.* with lora or dora; ValueError
     naming the first; and --lr-schedule-args, --warmup-init and --min-lr-ratio where the
-    --lr-schedule does not read them (each was taken and ignored). Set: other than its default,
-    or among `given`, the command line's flags (`--lora.targets q`, the default, given)."""
+    --lr-schedule does not read them (each was taken and ignored), and --data.mask-prompt
+    given on text rows (`mask_prompt_on_text`). Set: other than its default, or among `given`,
+    the command line's flags (`--lora.targets q`, the default, given)."""
     flags = {f.partition("=")[0].replace("_", "-") for f in given}
 
     def is_set(flag: str, value: Any, default: Any) -> bool:
         return value != default or flag in flags
 
+    # toymlx's default, so refused only where given: text rows have no prompt to mask
+    if cfg.data.mask_prompt and "--data.mask-prompt" in flags and cfg.data.path:
+        mask_prompt_on_text(cfg.data.path, row_keys(cfg.data.keys),
+                            ("train", "valid", "test") if cfg.test else ("train", "valid"))
     cosine = cfg.lr_schedule == "warmup-cosine"
     if cosine and cfg.lr_schedule_args:  # constant's: refused by `schedule`
         raise ValueError(f"--lr-schedule-args: expected none with --lr-schedule warmup-cosine "
@@ -579,7 +585,8 @@ def build(cfg: Config, ops: Ops) -> Task:
         train_batch=lambda s: data.batch(s, cfg.seed, cfg.batch_size, cfg.grad_accum),
         batch_widths=None if data.pack else (
             lambda steps: data.batch_widths(steps, cfg.seed, cfg.batch_size, cfg.grad_accum)),
-        val_batches=data.val_batches(cfg.batch_size, cfg.eval_batches, cfg.grad_checkpoint),
+        val_batches=data.val_batches(cfg.batch_size, eval_batch_limit(cfg.eval_batches),
+                                     cfg.grad_checkpoint),
         save=save, load=load, model_info=info,
         config_info={"context": cfg.seq_len, "base_dtype_resolved": dtype,
                      **({} if full else {"lora_targets_resolved": ",".join(targets)}),

@@ -360,10 +360,16 @@ class Bundle:
         k, old, new = changed[0]
         more = (f" (and {len(changed) - 1} more: "
                 f"{', '.join(flag_name(c[0]) for c in changed[1:])})" if len(changed) > 1 else "")
+        # --test added: the run's record of its data leaves its test set out (it never read
+        # it), so a resume that scored it would score a file nothing checked; toymlx-eval
+        # scores it as it is, as mlx_lm.lora --test scores an adapter folder's
+        fix = (f"score its test set with toymlx-eval --model {self.path} --split test, or start "
+               f"a new run with {flag_name(k)}" if k == "test" and new is True
+               else "start a new run to change it")
         raise RunError(f"{self.path}: --resume: {flag_name(k)}: expected the run's saved {k} = "
                        f"{old!r}, found {new!r}{more}; a resumed run keeps its configuration "
-                       "(only --steps and run-local options such as --eval-every may change): "
-                       "start a new run to change it")
+                       f"(only --steps and run-local options such as --eval-every may change): "
+                       f"{fix}")
 
     def check_data(self) -> None:
         """RunError naming the file unless every data file the run recorded at its start

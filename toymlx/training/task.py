@@ -59,7 +59,7 @@ class TrainingOptions:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 turns clipping off)."""
     eval_batches: int = 8
-    """Most validation batches per pass."""
+    """Most validation batches per pass (-1: every batch, mlx-lm's --val-batches -1)."""
     seed: int = 0
     """Seed for initialisation, data order and dropout."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -124,6 +124,12 @@ def model_error(e: ArgsError, options: Any,
                              preset))
 
 
+def eval_batch_limit(eval_batches: int) -> int | None:
+    """--eval-batches as the most validation batches a pass scores: None for -1, every batch
+    (mlx-lm's --val-batches -1, which config.json then records as such)."""
+    return None if eval_batches == -1 else eval_batches
+
+
 def check_config(module: ModuleType, cfg: TrainConfig, new_run: bool = False,
                  given: Collection[str] = ()) -> None:
     """Every option checked up front, the shared ones here and the rest by the recipe's
@@ -149,7 +155,8 @@ def check_config(module: ModuleType, cfg: TrainConfig, new_run: bool = False,
         ("--grad-clip", cfg.grad_clip >= 0, ">= 0", cfg.grad_clip),
         ("--eval-every", cfg.eval_every >= 0, ">= 0", cfg.eval_every),
         ("--report-every", cfg.report_every >= 0, ">= 0 (0: no report lines)", cfg.report_every),
-        ("--eval-batches", cfg.eval_batches >= 1, ">= 1", cfg.eval_batches),
+        ("--eval-batches", cfg.eval_batches >= 1 or cfg.eval_batches == -1,
+         ">= 1, or -1 (every validation batch)", cfg.eval_batches),
         ("--checkpoint-every", cfg.checkpoint_every >= 0, ">= 0", cfg.checkpoint_every),
         ("--keep-last", cfg.keep_last >= 0, ">= 0 (0: keep every checkpoint)", cfg.keep_last),
         ("--keep-best", cfg.keep_best >= 0, ">= 0", cfg.keep_best),

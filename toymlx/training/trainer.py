@@ -57,7 +57,7 @@ from toymlx.training import cpu_streams
 from toymlx.training.evaluate import ROW_PREFIX, Evaluator
 from toymlx.training.schedule import lr_at
 from toymlx.training.step import LossScale, agreed_requests, make_step, step_state, stop_flags
-from toymlx.training.task import Task, TrainConfig, make_optimizer
+from toymlx.training.task import Task, TrainConfig, eval_batch_limit, make_optimizer
 
 
 def _shard(batch: dict[str, np.ndarray], world: Any) -> dict[str, np.ndarray]:
@@ -901,7 +901,8 @@ class _Loop:
             return True
         t0 = time.perf_counter()
         with self._reading("validation", step, bar):
-            metrics = self.evaluator(self.cfg.eval_batches, stop=lambda: self._stops(stop),
+            metrics = self.evaluator(eval_batch_limit(self.cfg.eval_batches),
+                                     stop=lambda: self._stops(stop),
                                      waiting=self._waiting(stop, bar, step, "validation"))
         if metrics is None:
             self.abandoned = step
