@@ -604,6 +604,13 @@ def test_the_config_file_is_named_as_the_config_keyword(tmp_path):
         toymlx.train("from-scratch", config=str(missing), runs_root=str(tmp_path), echo=False)
     assert str(e.value) == (f"toymlx-train: error: {missing}: config: expected a readable UTF-8 "
                             "YAML or JSON file, found No such file or directory")
+    with pytest.raises(toymlx.OptionError) as e:  # before: the command's usage, as one line
+        toymlx.train(config={"iters": 2, "learning_rate": 1e-4}, runs_root=str(tmp_path),
+                     echo=False)
+    assert str(e.value) == ("config: expected the path of a YAML or JSON file of options (an "
+                            "mlx-lm lora config too), found a dict; write it to a file "
+                            "(json.dump) and pass its path, or pass toymlx's options as keywords")
+    assert list(tmp_path.iterdir()) == []
     assert keyword_message("toymlx-train: error: -c/--config: expected one config file, found "
                            "a.yaml and b.yaml", {}, ["lora"]) == (
         "toymlx-train: error: config: expected one config file, found a.yaml and b.yaml")

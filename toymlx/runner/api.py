@@ -103,6 +103,10 @@ def _train(recipe: str | None, echo: bool, options: dict[str, Any]) -> dict[str,
 
     options = _python_names(options)
     resume, config = options.get("resume"), options.get("config")
+    if isinstance(config, dict):  # as a group of options it was `--config.iters 2`: the usage
+        raise OptionError("config: expected the path of a YAML or JSON file of options (an "
+                          "mlx-lm lora config too), found a dict; write it to a file "
+                          "(json.dump) and pass its path, or pass toymlx's options as keywords")
     # a str the command checks, naming the recipes; None only where the run or file names it
     if not isinstance(recipe, str) and not (recipe is None and (resume or config) is not None):
         raise OptionError(f"recipe: expected one of {', '.join(RECIPES)}, found {recipe!r}")
