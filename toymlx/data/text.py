@@ -67,7 +67,7 @@ def _char_end(data: bytes) -> int:
     return len(data)
 
 
-def resave_line(code: str, file: str, tmp: str) -> str:
+def _resave_line(code: str, file: str, tmp: str) -> str:
     """The shell line that re-saves FILE, text in `code`, as UTF-8 in place: converted into TMP
     beside it, which replaces it once iconv has succeeded. A converted copy beside the original
     left the original in its folder of texts, refused again there; in place, the text keeps its
@@ -92,7 +92,7 @@ NOT_TEXT = {
                 "datasets.Dataset.from_file({file!r}).to_json('train.jsonl')"),
     # UTF-16 text, which Windows Notepad ("Unicode") and PowerShell 5's `>` write, byte-order
     # mark first; UTF-32's little-endian mark begins as UTF-16's does, so it is named first
-    **{mark: f"{code} text: re-save it as UTF-8 ({resave_line(code, '{sh}', '{utf8}')})"
+    **{mark: f"{code} text: re-save it as UTF-8 ({_resave_line(code, '{sh}', '{utf8}')})"
        for mark, code in ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\xff\xfe", "UTF-16"),
                           (b"\xfe\xff", "UTF-16"))},
     b"\x1f\x8b": "a gzip-compressed file: decompress it first (gunzip {sh})",
@@ -105,7 +105,7 @@ NOT_TEXT = {
 """Files people give as data that are not text, by their first bytes (read where the text is
 not UTF-8): what each is and what to do instead of "re-save the file as UTF-8" (`_shell_names`:
 {file} the file's path, in Python's quotes as {file!r}; {sh} the same for a shell; {utf8} the
-copy `resave_line` converts into)."""
+copy `_resave_line` converts into)."""
 
 
 def open_text(path: str | Path, block: int | None = None) -> tuple[int, Iterator[str]]:
@@ -188,7 +188,7 @@ def _single_byte_hint(path: Path, byte: int) -> str:
         return ""
     names = _shell_names(path)
     return (f" (0x{byte:02x} is {char!r} in Windows-1252, Latin-1's superset: "
-            f"{resave_line('CP1252', names['sh'], names['utf8'])})")
+            f"{_resave_line('CP1252', names['sh'], names['utf8'])})")
 
 
 def read_text(path: str | Path) -> str:

@@ -272,7 +272,7 @@ def validate(cfg: Config) -> None:
     if not base.is_file():
         raise ValueError(f"{cfg.base}: --base: expected an existing GGUF file, found "
                          f"{not_a_file(base)}{model_store.hf_name_hint(cfg.base)}")
-    parse_targets(cfg.lora.targets, lambda: base_targets(base))
+    parse_targets(cfg.lora.targets, lambda: _base_targets(base))
     if cfg.fuse_at_end:  # the type is checked now, not after training
         with GGUFFile(base) as g:
             fuse_type(cfg.fuse_at_end, g)
@@ -376,7 +376,7 @@ def make_optimizer(cfg: Config) -> optim.Optimizer:
         learning_rate=lr)
 
 
-def base_targets(base: Path) -> dict[str, str]:
+def _base_targets(base: Path) -> dict[str, str]:
     """`gguf_targets` of the base's architecture, read from its header, for --lora.targets
     given in llama.cpp's tensor names; an architecture not known where the header cannot be
     read (a hint's read: the base is checked, and named, when it loads)."""
