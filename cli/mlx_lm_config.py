@@ -29,6 +29,7 @@ from toymlx_cli.config_file import FLAG_LINE, ConfigFileError, closest_key
 from toymlx.backend.files import counted
 from toymlx.bundle.model_store import is_hf_repo
 from toymlx.models.lora import MLX_LM_DEFAULT, MLX_LM_KEYS, mlx_lm_modules
+from toymlx.runner.api import called_by_train, caller_option, caller_text
 
 MLX_LM_ONLY = frozenset({
     "train", "iters", "learning_rate", "num_layers", "lora_parameters", "optimizer_config", "steps_per_eval", "steps_per_report", "val_batches", "test_batches",
@@ -743,9 +744,14 @@ def mlx_lm_error(message: str, rows: list[tuple[str, str, Any, str]], source: st
 
 
 def mlx_lm_table(rows: list[tuple[str, str, Any, str]]) -> str:
-    """The table printed at start: mlx-lm key, toymlx option, value, and where it came from."""
+    """The table printed at start: mlx-lm key, toymlx option, value, and where it came from, in
+    the caller's words: a `toymlx.train` call's keywords and Python values (`called_by_train`:
+    `lora={"alpha": ...}  40.0`, True, "keywords, over the file"), else the flags and JSON
+    values (`--lora.alpha  40.0`, true, "command line, over the file")."""
+    python = called_by_train()
     head = ("mlx-lm key", "toymlx option", "value", "from")
-    cells = [head] + [(a, b, json.dumps(c) if not isinstance(c, str) else c, d)
+    cells = [head] + [(a, caller_option(b), c if isinstance(c, str) else
+                       repr(c) if python else json.dumps(c), caller_text(d, "lora"))
                       for a, b, c, d in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(3)]
     return "\n".join(f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:<{widths[2]}}  {d}".rstrip()

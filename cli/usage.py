@@ -219,6 +219,16 @@ LLAMA_CPP_FLAGS: PeerFlags = {
                           "(its base and adapter), or a fused GGUF")),
                ("lora.init_adapter", ("llama.cpp's --lora FILE is --lora.init-adapter FILE here "
                                       "(the run's adapters start from it)"))),
+    # llama.cpp's --lora-scaled FILE S (llama-cli, llama-server, llama-export-lora), and the
+    # LoRA scale as mlx-lm's and PEFT's users spell it (closest by spelling: --lr-schedule)
+    **dict.fromkeys(("--lora-scaled", "--lora-scale", "--lora_scaled", "--lora_scale"), (
+        ("lora.alpha", ("llama.cpp's --lora-scaled FILE S and mlx-lm's LoRA scale are the "
+                        "adapters' scale, here --lora.alpha / --lora.rank (scale 20 at rank 8: "
+                        "--lora.alpha 160); --lora.init-adapter FILE starts them from a file")),
+        ("adapter", ("llama.cpp's --lora-scaled FILE S is --adapter FILE here (or the run's "
+                     "folder), at the scale it was trained with (S 1; no option scales it)")),
+        ("model", ("llama.cpp's --lora-scaled FILE S: here --model takes the LoRA run's folder "
+                   "(its base and adapter), at the scale it was trained with (S 1)")))),
     **dict.fromkeys(("-ngl", "--n-gpu-layers", "--gpu-layers"), (
         ("device", ("llama.cpp's -ngl is --device gpu here (the whole model on MLX's GPU; "
                     "--device cpu: none of it)")),)),
@@ -234,7 +244,9 @@ LLAMA_CPP_FLAGS: PeerFlags = {
 }
 """llama.cpp's flags (llama-cli, llama-completion, llama-perplexity) as its users type them; -m,
 which mlx_lm.generate spells for --max-tokens, is both where the command has both; --lora is
-the adapter, or the run folder where a command takes the adapter with its base."""
+the adapter, or the run folder where a command takes the adapter with its base; --lora-scaled
+too, at the adapter's own scale (a toymlx adapter is applied at its alpha / rank, llama.cpp's S
+1), or --lora.alpha where a run sets that scale."""
 
 NANOGPT_FLAGS: PeerFlags = {
     "max_iters": (("steps", "nanoGPT's max_iters is toymlx's --steps"),),
@@ -400,10 +412,10 @@ HF_FLAGS: PeerFlags = {
 as toymlx's option (seed, weight_decay, report_to) needs none, mlx-lm's (learning_rate,
 max_seq_length) is said by `mlx_lm_hint`."""
 
-PEER_VALUES = {"--input-size": 3, "--scale": 2}
+PEER_VALUES = {"--input-size": 3, "--scale": 2, "--lora-scaled": 2}
 """How many values those of the peers' flags that take more than one take (timm's
-`--input-size 3 32 32`, or `--input-size=3 32 32`, its `=` value the first): each is the
-flag's own, not a value no option takes."""
+`--input-size 3 32 32`, or `--input-size=3 32 32`, its `=` value the first; llama.cpp's
+`--lora-scaled FILE S`): each is the flag's own, not a value no option takes."""
 
 
 LAUNCHER_FLAGS: PeerFlags = {

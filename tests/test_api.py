@@ -604,6 +604,13 @@ def test_the_config_file_is_named_as_the_config_keyword(tmp_path):
         toymlx.train("from-scratch", config=str(missing), runs_root=str(tmp_path), echo=False)
     assert str(e.value) == (f"toymlx-train: error: {missing}: config: expected a readable UTF-8 "
                             "YAML or JSON file, found No such file or directory")
+    with pytest.raises(toymlx.OptionError) as e:  # before: the command's usage, as one line
+        toymlx.train(config={"iters": 2, "learning_rate": 1e-4}, runs_root=str(tmp_path),
+                     echo=False)
+    assert str(e.value) == ("config: expected the path of a YAML or JSON file of options (an "
+                            "mlx-lm lora config too), found a dict; write it to a file "
+                            "(json.dump) and pass its path, or pass toymlx's options as keywords")
+    assert list(tmp_path.iterdir()) == []
     assert keyword_message("toymlx-train: error: -c/--config: expected one config file, found "
                            "a.yaml and b.yaml", {}, ["lora"]) == (
         "toymlx-train: error: config: expected one config file, found a.yaml and b.yaml")
@@ -653,3 +660,63 @@ def test_the_commands_notes_are_told_in_the_keywords_train_takes(tmp_path, capsy
             "folder)")
     assert note.format("runs_root and run_id") in out.splitlines()
     assert note.format("--runs-root and --run-id") in err.splitlines()
+
+
+def _key_table(text: str) -> dict[str, tuple[str, str, str]]:
+    """An mlx-lm key table's rows, {mlx-lm key: (option, value, from)}, cut at the header's
+    columns (an option may hold spaces: `lora={"alpha": ...}`)."""
+    lines = text.splitlines()
+    at = next(i for i, s in enumerate(lines) if s.startswith("mlx-lm key "))
+    head = lines[at]
+    cuts = [head.index(h) for h in ("toymlx option", "value", "from")]
+    rows = {}
+    for line in lines[at + 1:]:
+        if not line or line.startswith(("toymlx", "step ")):  # the run's lines
+            break
+        key, option, value, origin = (line[a:b].strip() for a, b in
+                                      zip([0, *cuts], [*cuts, len(line)]))
+        rows[key] = (option, value, origin)
+    return rows
+
+
+def test_an_mlx_lm_files_key_table_names_the_keywords_train_takes(tmp_path, capsys):
+    """`train(config=F)` with an mlx-lm file prints its key table in the caller's words: the
+    keywords `train` takes, Python's values, the keywords given over the file; the table had
+    toymlx-train's flags (`--eval-batches`, `--lora.alpha`, true), which a Python caller does
+    not write. toymlx-train -c F prints the same table in flags, as before."""
+    from toymlx_cli.train import main
+
+    import toymlx
+    from toymlx.data.tokenizer import byte_tokenizer
+    from toymlx.gguf.llama import write_llama
+    from toymlx.models.llama import Llama, tiny
+
+    write_llama(tmp_path / "b.gguf", Llama(tiny(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                                                ffn_dim=48, context=64)),
+                byte_tokenizer().to_metadata())
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text(
+        "".join(json.dumps({"text": f"row {i} " * 8}) + "\n" for i in range(8)))
+    config = tmp_path / "lora.yaml"
+    config.write_text(json.dumps({"model": str(tmp_path / "b.gguf"),
+                                  "data": str(tmp_path / "data"), "iters": 2, "batch_size": 2,
+                                  "max_seq_length": 32, "num_layers": 1, "val_batches": 1,
+                                  "lora_parameters": {"rank": 4, "scale": 10.0,
+                                                      "dropout": 0.0}}))
+    toymlx.train(config=str(config), runs_root=str(tmp_path), run_id="py", compile=False,
+                 steps=1, lora={"rank": 2})
+    py = _key_table(capsys.readouterr().out)
+    assert main(["-c", str(config), "--runs-root", str(tmp_path), "--run-id", "cli",
+                 "--no-compile", "--steps", "1", "--lora.rank", "2"]) == 0
+    cli = _key_table(capsys.readouterr().out)
+    assert py["val_batches"] == ("eval_batches", "1", "file")
+    assert cli["val_batches"] == ("--eval-batches", "1", "file")
+    assert py["iters"] == ("steps", "1", "keywords, over the file")
+    assert cli["iters"] == ("--steps", "1", "command line, over the file")
+    assert py["lora_parameters.scale"] == ('lora={"alpha": ...}', "20.0",
+                                           'file scale 10 x lora={"rank": 2}')
+    assert cli["lora_parameters.scale"] == ("--lora.alpha", "20.0", "file scale 10 x --lora.rank 2")
+    assert py["mask_prompt"] == ('data={"mask_prompt": ...}', "False", "mlx-lm default")
+    assert cli["mask_prompt"] == ("--data.mask-prompt", "false", "mlx-lm default")
+    assert py.keys() == cli.keys()
+    assert not [o for o, _, f in py.values() if "--" in o + f]  # no flag left

@@ -150,12 +150,16 @@ def test_a_cut_chat_file_and_a_cut_config_json_say_the_text_ends(tmp_path, capsy
     # Windows Notepad's "Unicode" (UTF-16 LE, byte-order mark first) was "not valid UTF-8 at
     # byte offset 0 (line 1, byte 0xff)": the file's encoding and its conversion named
     ("notepad.txt", "hello".encode("utf-16"), ("UTF-16 text: re-save it as UTF-8 (iconv -f "
-                                             "UTF-16 -t UTF-8 {file} > {utf8})")),
+                                             "UTF-16 -t UTF-8 {file} > {utf8} && mv {utf8} "
+                                             "{file})")),
     ("big_endian.txt", "hello".encode("utf-16-be").join((b"\xfe\xff", b"")), (
-        "UTF-16 text: re-save it as UTF-8 (iconv -f UTF-16 -t UTF-8 {file} > {utf8})")),
-    # its suffix kept: a .jsonl re-saved as .txt would train on the JSON around its texts
+        "UTF-16 text: re-save it as UTF-8 (iconv -f UTF-16 -t UTF-8 {file} > {utf8} && mv "
+        "{utf8} {file})")),
+    # in place, its name and suffix kept: a .jsonl re-saved as .txt would train on the JSON
+    # around its texts
     ("train.jsonl", '{"text": "hi"}'.encode("utf-32"), (
-        "UTF-32 text: re-save it as UTF-8 (iconv -f UTF-32 -t UTF-8 {file} > {utf8})")),
+        "UTF-32 text: re-save it as UTF-8 (iconv -f UTF-32 -t UTF-8 {file} > {utf8} && mv "
+        "{utf8} {file})")),
     # an image where the text goes was "re-save the file as UTF-8" too
     ("cat.png", b"\x89PNG\r\n\x1a\n", ("a PNG image: images train a classifier, toymlx-train "
                                        "--recipe vit-tiny --data.path FOLDER (a subfolder of "
@@ -173,10 +177,8 @@ def test_data_files_that_are_not_text_are_named_with_what_to_do(tmp_path, capsys
     data.write_bytes(head + bytes(range(128, 256)) * 4)
     assert train_main(["--recipe", "from-scratch", "--data.path", str(data), "--runs-root",
                        str(tmp_path / "runs")]) == 2
-    utf8 = {"notepad.txt": "notepad-utf8.txt", "big_endian.txt": "big_endian-utf8.txt",
-            "train.jsonl": "train-utf8.jsonl"}.get(name, "")
     assert error_line(capsys) == (f"toymlx-train: error: {data}: expected UTF-8 text, found "
-                                  + want.format(file=data, utf8=tmp_path / utf8))
+                                  + want.format(file=data, utf8=f"{data}.utf8"))
     assert not list(tmp_path.glob("runs/*"))
 
 

@@ -155,6 +155,29 @@ def test_llama_cpp_s_tensor_names_are_named_as_toymlx_s(tiny_gguf, tmp_path, cap
     assert not (tmp_path / "t").exists()
 
 
+@pytest.mark.parametrize("targets,said", [
+    ("ffn_up", "gate_up"),
+    ("attn_qkv,attn_output,ffn_up,ffn_down", "qkv,o,gate_up,down"),
+])
+def test_llama_cpp_s_tensor_names_on_phi3_are_named_as_phi3_s(tmp_path, capsys, targets, said):
+    """phi3's `ffn_up` is its fused gate-and-up projection: the hint said `up`, which phi3 has
+    not (the base check then refused it, naming gate_up). The hint names phi3's own targets,
+    and the list it says trains."""
+    from arch_files import arch_gguf
+
+    phi3 = arch_gguf("phi3", tmp_path / "phi3.gguf")
+    run = ["--recipe", "lora", "--base", str(phi3), "--runs-root", str(tmp_path), "--steps",
+           "1", "--batch-size", "1", "--seq-len", "16", "--no-progress", "--no-compile"]
+    assert _train([*run, "--lora.targets", targets, "--run-id", "t"]) == 2
+    assert error_line(capsys).endswith(
+        f"found unknown target {targets.split(',')[0]!r} (llama.cpp's tensor names; toymlx's "
+        f"are --lora.targets {said})")
+    assert not (tmp_path / "t").exists()
+    assert _train([*run, "--lora.targets", said, "--run-id", "said"]) == 0
+    saved = json.loads((tmp_path / "said" / "config.json").read_text())
+    assert saved["config"]["lora"]["targets"] == said
+
+
 @pytest.mark.parametrize("targets,whose,said", [
     ("Q,V", "upper case", "q,v"),
     ("q,V", "upper case", "q,v"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import shlex
 import warnings
 
 import numpy as np
@@ -369,7 +370,13 @@ def test_a_folder_read_with_a_gguf_tokenizer_ends_each_file_with_its_eos(tmp_pat
     assert td.train.tolist() == want and td.val.size == 0
 
 
-def test_a_utf16_file_in_a_text_folder_is_named(tmp_path):
+def test_a_utf16_file_in_a_text_folder_is_named_with_the_line_that_converts_it(tmp_path):
+    """A UTF-16 file in a folder of texts is refused with its iconv line; run as printed, the
+    line converts the file in place, and the folder then reads as one written in UTF-8 from the
+    start. Before: the line wrote d-utf8.txt beside d.txt, which stayed in the folder to be
+    refused again, and its unquoted path (the folder "my book") split in a shell."""
+    import subprocess
+
     from toymlx.recipes.common import TextData, load_token_data
 
     folder, _ = _book(tmp_path)
@@ -377,8 +384,16 @@ def test_a_utf16_file_in_a_text_folder_is_named(tmp_path):
     bad.write_bytes("Notepad's Unicode\n".encode("utf-16"))
     with pytest.raises(DataError) as e:
         load_token_data(TextData(str(folder)), byte_tokenizer(), 8)
+    line = f"iconv -f UTF-16 -t UTF-8 '{bad}' > '{bad}.utf8' && mv '{bad}.utf8' '{bad}'"
     assert str(e.value) == (f"{bad}: expected UTF-8 text, found UTF-16 text: re-save it as UTF-8 "
-                            f"(iconv -f UTF-16 -t UTF-8 {bad} > {folder / 'part 2' / 'd-utf8.txt'})")
+                            f"({line})")
+    subprocess.run(line, shell=True, check=True, cwd=tmp_path)  # as a user's shell runs it
+    assert sorted(p.name for p in bad.parent.iterdir()) == ["c.TXT", "d.txt"]
+    ref, _ = _book(tmp_path / "ref")
+    (ref / "part 2" / "d.txt").write_text("Notepad's Unicode\n", encoding="utf-8")
+    got, want = (load_token_data(TextData(str(f), 0.0), byte_tokenizer(), 8).train.tolist()
+                 for f in (folder, ref))
+    assert got == want and want[-20:] == [1, *(b + 3 for b in b"Notepad's Unicode\n"), 2]
 
 
 def test_a_text_folder_with_records_beside_its_texts_names_the_file_not_read(tmp_path):
@@ -465,14 +480,14 @@ def test_a_windows_1252_file_is_refused_with_the_iconv_line_that_re_saves_it(tmp
     path.write_bytes(b"Il \xe9tait une fois.\n")
     with pytest.raises(DataError) as err:
         read_text(path)
-    utf8 = tmp_path / "gutenberg-utf8.txt"
+    sh, tmp = shlex.quote(str(path)), shlex.quote(f"{path}.utf8")
+    line = f"iconv -f CP1252 -t UTF-8 {sh} > {tmp} && mv {tmp} {sh}"
     assert str(err.value) == (
         f"{path}: not valid UTF-8 at byte offset 3 (line 1, byte 0xe9); expected UTF-8 text, "
-        f"re-save the file as UTF-8 (0xe9 is 'é' in Windows-1252, Latin-1's superset: iconv -f "
-        f"CP1252 -t UTF-8 {path} > {utf8})")
-    with open(utf8, "wb") as out:  # the line, as a shell runs it
-        subprocess.run(["iconv", "-f", "CP1252", "-t", "UTF-8", str(path)], stdout=out, check=True)
-    assert read_text(utf8) == "Il était une fois.\n"
+        f"re-save the file as UTF-8 (0xe9 is 'é' in Windows-1252, Latin-1's superset: {line})")
+    subprocess.run(line, shell=True, check=True, cwd=tmp_path)  # the line, as a shell runs it
+    assert read_text(path) == "Il était une fois.\n"  # in place: the file given is UTF-8 now
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gutenberg.txt"]
     path.write_bytes("déjà \xe9".encode() + b" \xe9\n")  # UTF-8 first: no guess
     with pytest.raises(DataError) as err:
         read_text(path)

@@ -36,6 +36,15 @@ def only_line(capsys) -> str:
       f"option of {LORA}, got an unknown one; llama.cpp's -ngl is --device gpu here (the whole "
       f"model on MLX's GPU; --device cpu: none of it); --ctx-size: expected an option of "
       f"{LORA}, got an unknown one; llama.cpp's --ctx-size is --seq-len here")),
+    # llama.cpp's --lora-scaled FILE S (both values its own), and mlx-lm's or PEFT's users'
+    # spelling of the LoRA scale (before: "did you mean --lr-schedule?", then FILE and S each
+    # named as a value no option takes)
+    *((args, (f"{args[0].partition('=')[0]}: expected an option of {LORA}, got an unknown one; llama.cpp's "
+              "--lora-scaled FILE S and mlx-lm's LoRA scale are the adapters' scale, here "
+              "--lora.alpha / --lora.rank (scale 20 at rank 8: --lora.alpha 160); "
+              "--lora.init-adapter FILE starts them from a file"))
+      for args in (["--lora-scaled", "a.gguf", "0.5"], ["--lora-scale", "20"],
+                   ["--lora_scale=20"])),
     (["--stpes=3", "--lrr", "1"], (f"--stpes: expected an option of {LORA}, got an unknown one; "
                                    f"did you mean --steps?; --lrr: expected an option of {LORA}, "
                                    "got an unknown one; did you mean --lr?")),
@@ -461,6 +470,18 @@ def test_a_peer_flag_another_recipe_takes_is_not_matched_by_spelling(capsys, tmp
     ("export", ["--base", "b.gguf", "--lora", "a.gguf", "--out", "f.gguf"],
      ("toymlx-export: error: --lora: expected an option of toymlx-export, got an unknown one; "
       "llama.cpp's --lora FILE is --adapter FILE here (or the run's folder)")),
+    # llama.cpp's --lora-scaled FILE S (before: no hint): the adapter at its own scale
+    *((module, [*args, "--lora-scaled", "a.gguf", "0.5"],
+       (f"toymlx-{module}: error: --lora-scaled: expected an option of toymlx-{module}, got an "
+        f"unknown one; llama.cpp's --lora-scaled FILE S{said}, at the scale it was trained "
+        f"with (S 1{more})"))
+      for module, args, said, more in (
+          ("generate", ["--model", "b.gguf"], " is --adapter FILE here (or the run's folder)",
+           "; no option scales it"),
+          ("export", ["--base", "b.gguf", "--out", "f.gguf"],
+           " is --adapter FILE here (or the run's folder)", "; no option scales it"),
+          ("eval", ["--model", "b.gguf"], (": here --model takes the LoRA run's folder (its "
+                                           "base and adapter)"), ""))),
     # nanoGPT's sample.py settings
     ("generate", ["--out_dir=runs/lm", "--start=hi", "--max_new_tokens=5"],
      ("toymlx-generate: error: --out_dir: expected an option of toymlx-generate, got an unknown "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import codecs
 import math
 import os
+import shlex
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,28 +67,45 @@ def _char_end(data: bytes) -> int:
     return len(data)
 
 
+def _resave_line(code: str, file: str, tmp: str) -> str:
+    """The shell line that re-saves FILE, text in `code`, as UTF-8 in place: converted into TMP
+    beside it, which replaces it once iconv has succeeded. A converted copy beside the original
+    left the original in its folder of texts, refused again there; in place, the text keeps its
+    name and suffix (which decide how it is read), and a conversion that fails leaves the file
+    as it was."""
+    return f"iconv -f {code} -t UTF-8 {file} > {tmp} && mv {tmp} {file}"
+
+
+def _shell_names(path: Path) -> dict[str, str]:
+    """`NOT_TEXT`'s names for `path`: {file} as it is, {sh} and {utf8} (PATH.utf8, a suffix no
+    folder of texts reads, were a failed conversion to leave it there) quoted for a shell."""
+    return {"file": str(path), "sh": shlex.quote(str(path)),
+            "utf8": shlex.quote(f"{path}.utf8")}
+
+
 NOT_TEXT = {
     b"GGUF": ("a GGUF model file: --data.path takes text (a model is --base, --donor, "
               "--tokenizer or toymlx-eval's --model)"),
     b"PAR1": ("a Parquet file (Hugging Face datasets' files): convert it to JSONL first, e.g. "
-              "pandas.read_parquet('{file}').to_json('train.jsonl', orient='records', lines=True)"),
+              "pandas.read_parquet({file!r}).to_json('train.jsonl', orient='records', lines=True)"),
     b"ARROW1": ("an Arrow file (a Hugging Face datasets cache): save it as JSONL first, e.g. "
-                "datasets.Dataset.from_file('{file}').to_json('train.jsonl')"),
+                "datasets.Dataset.from_file({file!r}).to_json('train.jsonl')"),
     # UTF-16 text, which Windows Notepad ("Unicode") and PowerShell 5's `>` write, byte-order
     # mark first; UTF-32's little-endian mark begins as UTF-16's does, so it is named first
-    **{mark: f"{code} text: re-save it as UTF-8 (iconv -f {code} -t UTF-8 {{file}} > {{utf8}})"
+    **{mark: f"{code} text: re-save it as UTF-8 ({_resave_line(code, '{sh}', '{utf8}')})"
        for mark, code in ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\xff\xfe", "UTF-16"),
                           (b"\xfe\xff", "UTF-16"))},
-    b"\x1f\x8b": "a gzip-compressed file: decompress it first (gunzip {file})",
-    b"PK\x03\x04": "a zip archive: extract its files first (unzip {file})",
+    b"\x1f\x8b": "a gzip-compressed file: decompress it first (gunzip {sh})",
+    b"PK\x03\x04": "a zip archive: extract its files first (unzip {sh})",
     # a PNG or JPEG (the kinds not UTF-8 at their first byte) as text: "re-save it as UTF-8"
     **{magic: (f"a {kind} image: images train a classifier, toymlx-train --recipe vit-tiny "
                "--data.path FOLDER (a subfolder of images per class)")
        for magic, kind in IMAGE_MAGIC},
 }
 """Files people give as data that are not text, by their first bytes (read where the text is
-not UTF-8): what each is and what to do instead of "re-save the file as UTF-8" ({file}: the
-file's path; {utf8}: FILE-utf8.SUFFIX beside it, its suffix kept, which decides how it is read)."""
+not UTF-8): what each is and what to do instead of "re-save the file as UTF-8" (`_shell_names`:
+{file} the file's path, in Python's quotes as {file!r}; {sh} the same for a shell; {utf8} the
+copy `_resave_line` converts into)."""
 
 
 def open_text(path: str | Path, block: int | None = None) -> tuple[int, Iterator[str]]:
@@ -136,9 +154,8 @@ def _pieces(path: Path, f: BinaryIO, block: int) -> Iterator[str]:
                 found = offset == 0 and next((what for magic, what in NOT_TEXT.items()
                                               if data.startswith(magic)), None)
                 if found:  # advice for the file it is, not "re-save it as UTF-8"
-                    utf8 = path.with_name(f"{path.stem}-utf8{path.suffix}")  # read as it is
                     raise DataError(f"{path}: expected UTF-8 text, found "
-                                    f"{found.format(file=path, utf8=utf8)}") from None
+                                    f"{found.format(**_shell_names(path))}") from None
                 line = lines + data.count(b"\n", 0, e.start) + 1
                 single = ascii_only and data[:e.start].isascii()
                 raise DataError(
@@ -169,9 +186,9 @@ def _single_byte_hint(path: Path, byte: int) -> str:
         char = bytes([byte]).decode("cp1252")
     except UnicodeDecodeError:  # 0x81, 0x8d, 0x8f, 0x90, 0x9d: not Windows-1252's
         return ""
-    utf8 = path.with_name(f"{path.stem}-utf8{path.suffix}")
-    return (f" (0x{byte:02x} is {char!r} in Windows-1252, Latin-1's superset: iconv -f CP1252 "
-            f"-t UTF-8 {path} > {utf8})")
+    names = _shell_names(path)
+    return (f" (0x{byte:02x} is {char!r} in Windows-1252, Latin-1's superset: "
+            f"{_resave_line('CP1252', names['sh'], names['utf8'])})")
 
 
 def read_text(path: str | Path) -> str:

@@ -188,9 +188,6 @@ _BLOCK = {"attn_norm": "attn_norm", "attn_q": "attn.q_proj", "attn_k": "attn.k_p
           "ssm_alpha": "attn.alpha_proj", "ssm_out": "attn.out_proj", "ssm_norm": "attn.norm",
           "ssm_conv1d": "attn.conv1d"}
 _BLOCK_INV = {v: k for k, v in _BLOCK.items()} | {"mlp.gate_up_proj": "ffn_up"}
-GGUF_TARGETS = {name: TARGET_OF[path] for name, path in _BLOCK.items() if path in TARGET_OF}
-"""A block tensor's name in a GGUF (`attn_q`, `ffn_down_exps`), as llama.cpp's adapters name
-what they adapt, -> its --lora.targets name (`parse_targets` says a list of them in toymlx's)."""
 _BLOCK_ODD = {"ssm_a": "attn.ssm_a", "ssm_dt.bias": "attn.dt_bias"}
 """qwen35's block tensors whose names are not `<tensor>.weight` or `.bias` of a module."""
 _BLOCK_ODD_INV = {v: k for k, v in _BLOCK_ODD.items()}
@@ -219,6 +216,21 @@ def gguf_to_toy(name: str, fused_gate_up: bool = False, arch: str = "") -> str |
             path = "ffn_norm"
         return f"layers.{m.group(1)}.{path}.{m.group(3)}"
     return None
+
+
+def gguf_targets(arch: str | None = None) -> dict[str, str]:
+    """A block tensor's name in a GGUF of `arch` (`attn_q`, `ffn_down_exps`), as llama.cpp's
+    adapters name what they adapt, -> its --lora.targets name (`parse_targets` says a list of
+    them in toymlx's): phi3's `ffn_up` is its fused gate_up (`gguf_to_toy`), not the up that
+    phi3 lacks; None: an architecture not known (another's `ffn_up` is up)."""
+    fused = arch in ARCHS and ARCHS[arch].switches.get("fused_gate_up", False)
+    out = {}
+    for name in _BLOCK:
+        path = gguf_to_toy(f"blk.0.{name}.weight", fused, arch or "")
+        path = path.removeprefix("layers.0.").removesuffix(".weight")
+        if path in TARGET_OF:
+            out[name] = TARGET_OF[path]
+    return out
 
 
 def toy_to_gguf(path: str) -> str:

@@ -14,7 +14,7 @@ format is `toymlx.training.adapter`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import mlx.core as mx
 from mlx import nn
@@ -221,11 +221,13 @@ ADAPTER_KINDS: dict[str, type[LoRALinear]] = {"lora": LoRALinear, "dora": DoRALi
 
 # ---- applying, listing and fusing -------------------------------------------------------
 def parse_targets(targets: str | Sequence[str],
-                  gguf_names: Mapping[str, str] | None = None) -> tuple[str, ...]:
+                  gguf_names: Callable[[], Mapping[str, str]] | None = None
+                  ) -> tuple[str, ...]:
     """Short target names from "q,k,v" or a sequence, `ALL_LINEAR` and `MLX_LM_DEFAULT` kept as
     given (`resolve_targets` expands them against a base); ValueError names --lora.targets, and
-    the same list in toymlx's names where it is Hugging Face's or, given `gguf_names` (a GGUF
-    block tensor's name -> its target: `toymlx.gguf.llama.GGUF_TARGETS`), llama.cpp's."""
+    the same list in toymlx's names where it is Hugging Face's or, given `gguf_names` (the
+    base's GGUF block tensor names -> their targets, `toymlx.gguf.llama.gguf_targets`: called
+    only for a name toymlx does not know, as it reads the base's header), llama.cpp's."""
     items = targets.split(",") if isinstance(targets, str) else list(targets)
     names = [t.strip() for t in items if t.strip()]
     allowed = ", ".join(TARGETS) + f", {ALL_LINEAR} or {MLX_LM_DEFAULT}"
@@ -235,8 +237,8 @@ def parse_targets(targets: str | Sequence[str],
     bad = [t for t in names if t not in TARGETS and t not in (ALL_LINEAR, MLX_LM_DEFAULT)]
     if bad:
         whose, said = "Hugging Face's names", hf_targets(names)
-        if said is None and gguf_names:
-            whose, said = "llama.cpp's tensor names", toymlx_targets(names, gguf_names)
+        if said is None and gguf_names is not None:
+            whose, said = "llama.cpp's tensor names", toymlx_targets(names, gguf_names())
         if said is None:
             whose, said = other_spelling(names)
         raise ValueError(f"--lora.targets: expected a comma list of {allowed}; found "

@@ -52,16 +52,16 @@ from toymlx.data.chat import (
 from toymlx.data.tokenizer import Tokenizer
 from toymlx.gguf.llama import (
     CHECKPOINT_FORMAT,
-    GGUF_TARGETS,
     args_from_gguf,
     block_tensors,
     frozen_weights,
+    gguf_targets,
     load_llama,
     load_llama_into,
 )
 from toymlx.gguf.quant import projection_types
 from toymlx.gguf.quantize import EXPORT_TYPES, export_type, quantizer
-from toymlx.gguf.reader import GGUFFile
+from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.models.layers import model_bytes
 from toymlx.models.lora import (
     apply_lora,
@@ -273,7 +273,7 @@ def validate(cfg: Config) -> None:
     if not base.is_file():
         raise ValueError(f"{cfg.base}: --base: expected an existing GGUF file, found "
                          f"{not_a_file(base)}{model_store.hf_name_hint(cfg.base)}")
-    parse_targets(cfg.lora.targets, GGUF_TARGETS)
+    parse_targets(cfg.lora.targets, lambda: _base_targets(base))
     if cfg.fuse_at_end:  # the type is checked now, not after training
         with GGUFFile(base) as g:
             fuse_type(cfg.fuse_at_end, g)
@@ -380,6 +380,18 @@ def make_optimizer(cfg: Config) -> optim.Optimizer:
         return Adam(learning_rate=lr, betas=[cfg.beta1, cfg.beta2], eps=1e-8)
     return {"sgd": optim.SGD, "adafactor": optim.Adafactor, "muon": optim.Muon}[cfg.optimizer](
         learning_rate=lr)
+
+
+def _base_targets(base: Path) -> dict[str, str]:
+    """`gguf_targets` of the base's architecture, read from its header, for --lora.targets
+    given in llama.cpp's tensor names; an architecture not known where the header cannot be
+    read (a hint's read: the base is checked, and named, when it loads)."""
+    try:
+        with GGUFFile(base, whole=False) as g:
+            arch = g.architecture
+    except (GGUFError, OSError):
+        arch = None
+    return gguf_targets(arch if isinstance(arch, str) else None)
 
 
 def fuse_type(choice: str, g: GGUFFile) -> str:

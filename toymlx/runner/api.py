@@ -103,6 +103,10 @@ def _train(recipe: str | None, echo: bool, options: dict[str, Any]) -> dict[str,
 
     options = _python_names(options)
     resume, config = options.get("resume"), options.get("config")
+    if isinstance(config, dict):  # as a group of options it was `--config.iters 2`: the usage
+        raise OptionError("config: expected the path of a YAML or JSON file of options (an "
+                          "mlx-lm lora config too), found a dict; write it to a file "
+                          "(json.dump) and pass its path, or pass toymlx's options as keywords")
     # a str the command checks, naming the recipes; None only where the run or file names it
     if not isinstance(recipe, str) and not (recipe is None and (resume or config) is not None):
         raise OptionError(f"recipe: expected one of {', '.join(RECIPES)}, found {recipe!r}")
@@ -197,6 +201,36 @@ def keyword_message(message: str, options: dict[str, Any],
             out.append(message[start:end])
         pos = end
     return "".join(out) + message[pos:]
+
+
+CALLER_ENV, CALLER = "TOYMLX_CALLER", "toymlx.train"
+"""Set in the command `train` runs: the lines the command lays out itself (the mlx-lm key
+table's columns), which the relay cannot re-spell as it does a note (`keyword_message`) without
+breaking them, name the keywords `train` takes (`called_by_train`)."""
+
+
+def called_by_train() -> bool:
+    """Whether this process is the command a `toymlx.train` call runs (`CALLER_ENV`): what it
+    lays out itself then names `train`'s keywords (`caller_option`), not flags."""
+    return os.environ.get(CALLER_ENV) == CALLER
+
+
+def caller_option(flag: str) -> str:
+    """`flag` (`--lora.alpha`) as this process's caller writes it: where `called_by_train`, the
+    keyword `train` takes (`lora={"alpha": ...}`, as `keyword_message` names a flag alone), else
+    the flag; a text not a flag as it is."""
+    if not (flag.startswith("--") and called_by_train()):
+        return flag
+    return _keyword(flag, None, {})
+
+
+def caller_text(text: str, recipe: str) -> str:
+    """`text` (the command's, of `recipe`) as this process's caller reads it: where
+    `called_by_train`, its flags as the keywords `train` takes (`keyword_message`: `--lora.rank
+    2` is `lora={"rank": 2}`) and its command line the keywords, else as it is."""
+    if not called_by_train():
+        return text
+    return keyword_message(text.replace("command line", "keywords"), {}, [recipe])
 
 
 def _flag_value(message: str, end: int, flag: str, kinds: dict[str, Any],
@@ -462,7 +496,7 @@ def _run_child(cmd: list[str], echo: bool, say: Callable[[str], str] | None = No
     command's notes are relayed (`_Output.said`)."""
     out, text = _Output(say), codecs.getincrementaldecoder("utf-8")(errors="replace")
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             env=child_env(), start_new_session=True)
+                             env={**child_env(), CALLER_ENV: CALLER}, start_new_session=True)
     assert child.stdout is not None
     fd, relaying = child.stdout.fileno(), echo
     with child.stdout:  # closed once read to its end: each call's pipe, not left to the GC
