@@ -132,7 +132,11 @@ def _fails(cfg: ws.Config, *parts: str) -> str:
 
 
 def test_no_donor(text_file):
-    _fails(_cfg(None, text_file), "--donor", "expected a llama GGUF", "found none")
+    """`toymlx-train --recipe warm-start` alone, a newcomer's first command: the line names a
+    donor to give, as lora's names a --base."""
+    assert _fails(_cfg(None, text_file)) == (
+        "--donor: expected a llama GGUF to take the token table from, found none (e.g. --donor "
+        "SmolLM2-135M-Instruct.Q4_1.gguf)")
 
 
 def test_missing_donor(tmp_path, text_file):

@@ -92,7 +92,7 @@ def validate(cfg: Config) -> None:
     check_reading(cfg.data)
     if not cfg.donor:
         raise ValueError("--donor: expected a llama GGUF to take the token table from, "
-                         "found none")
+                         "found none (e.g. --donor SmolLM2-135M-Instruct.Q4_1.gguf)")
     check_model_file(cfg.donor, "--donor")
     if cfg.warm.freeze_embeddings < -1:
         raise ValueError(f"--warm.freeze-embeddings: expected -1, 0 or a step count, "
