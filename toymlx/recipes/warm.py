@@ -290,6 +290,11 @@ def save_warm_state(ckpt: Path, model: WarmLlama, meta: dict[str, Any]) -> None:
     ck.save_state(warm_path(ckpt), {"table": model.embed.weight, "lens": model.embed.lens}, meta)
 
 
+ROUNDING = {"F16": 2.0 ** -11, "BF16": 2.0 ** -8}
+"""Relative rounding (half an ulp) of the tensor types --save-dtype writes besides F32: the
+most a checkpoint's token_embd.weight differs from the table @ lens it was written from."""
+
+
 def load_warm_checkpoint(ckpt: Path, model: WarmLlama) -> None:
     """Restore a warm checkpoint exactly: blocks from the GGUF, table and lens from the side file."""
     ckpt = Path(ckpt)
@@ -305,8 +310,9 @@ def load_warm_checkpoint(ckpt: Path, model: WarmLlama) -> None:
         except ValueError as e:
             raise GGUFError(f"{side}: {e}") from None
         stored = g.load("token_embd.weight")
+        rtol = ROUNDING.get(g.tensors["token_embd.weight"].type_name, 0.0)
     folded = np.array(model.embed.folded())
-    if stored.shape != folded.shape or not np.allclose(stored, folded, rtol=0, atol=1e-5):
+    if stored.shape != folded.shape or not np.allclose(stored, folded, rtol=rtol, atol=1e-5):
         raise GGUFError(f"{side}: table @ lens: expected to equal {ckpt.name}'s "
                         "token_embd.weight, found a mismatch (side file of another checkpoint?)")
     mx.eval(model.parameters())
