@@ -57,7 +57,9 @@ class WarmOptions:
     init: Literal["donor", "random"] = "donor"
     """Table values: donor, or random (Gaussian noise of the donor table's RMS: a baseline)."""
     freeze_embeddings: int = 0
-    """Keep the table fixed for the first K steps (0: never, -1: the whole run)."""
+    """Keep the donor's table fixed for the first K steps (0: never, -1: the whole run); the
+    lens still trains, so the student's embeddings (table @ lens, the checkpoint's
+    token_embd.weight) still change."""
     vocab: int | None = None
     """Use the first N tokens of the donor's vocabulary and table (default: all)."""
 
