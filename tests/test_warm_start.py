@@ -225,6 +225,17 @@ def test_identity_needs_equal_widths(tmp_path, text_file):
            "found 32")
 
 
+def test_bad_data_is_refused_before_the_lens_is_computed(tmp_path, stories_path, monkeypatch):
+    """A mistyped --data.path was read only after the donor's PCA lens, an SVD of the whole
+    table (SmolLM2's: 6-7 s quiet, 60 s on a busy host; the refusal came after 2 minutes,
+    from-scratch's in 3 s): the data is read first now, and the lens never computed."""
+    calls = []
+    monkeypatch.setattr(warm, "make_lens", lambda *a: calls.append(a))
+    with pytest.raises(ValueError, match="nope.txt: expected a UTF-8 text file, found nothing"):
+        _build(_cfg(stories_path, str(tmp_path / "nope.txt")))
+    assert calls == []
+
+
 def test_cli_fails_before_training(tmp_path, text_file, capsys):
     p = _donor(tmp_path / "gpt2.gguf", arch="gpt2")
     rc = main(["--recipe", "warm-start", "--donor", str(p), "--data.path", text_file,

@@ -192,16 +192,17 @@ def build(cfg: Config, ops: Ops) -> Task:
     table = donor.table[:vocab]
     args = cfg.model.build_args(vocab)
     check_seq_len(cfg.seq_len, args)
-    rng = np.random.default_rng([cfg.seed, 0x5741524D])  # apart from the model's init stream
-    if w.init == "random":
-        table = rng.normal(0.0, warm.rms(table), table.shape).astype(np.float32)
-    lens = warm.make_lens(w.lens, table, args.d_model, rng)
+    # the data before the lens: a bad --data.path is refused without waiting for the SVD
     data = load_token_data(cfg.data, tok, cfg.seq_len, cfg.test, progress=cfg.progress)
     top = max(int(ids.max(initial=0)) for ids in (data.train, data.val, data.test)
               if ids is not None)
     if top >= vocab:
         raise ValueError(f"--warm.vocab: expected every token id of {data.source} below "
                          f"{vocab}, found {top}; use a larger --warm.vocab")
+    rng = np.random.default_rng([cfg.seed, 0x5741524D])  # apart from the model's init stream
+    if w.init == "random":
+        table = rng.normal(0.0, warm.rms(table), table.shape).astype(np.float32)
+    lens = warm.make_lens(w.lens, table, args.d_model, rng)
     mx.random.seed(cfg.seed)
     model = warm.WarmLlama(args, donor.width, ops)
     model.set_embedding(table, lens)
