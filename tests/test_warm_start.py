@@ -575,6 +575,29 @@ def test_a_half_precision_checkpoint_resumes_exactly(tmp_path, stories_path, tex
     assert len(losses("part")) == 4 and losses("part") == losses("full")
 
 
+def test_a_modelfile_of_a_run_without_an_adapter_says_the_line_to_write(tmp_path, stories_path,
+                                                                         text_file, capsys):
+    """`toymlx-export --base RUN --format modelfile` of a warm-start (or from-scratch) run said
+    "expected --adapter ..., found no --adapter": now it says the one-line Modelfile such a model
+    takes, with its checkpoint's absolute path, and writes nothing."""
+    from cli_errors import error_line
+    from toymlx_cli.export import main as export_main
+
+    assert main(["--recipe", "warm-start", "--donor", str(stories_path), "--data.path", text_file,
+                 *W32_FLAGS, "--seq-len", "32", "--batch-size", "4", "--steps", "1",
+                 "--no-progress", "--runs-root", str(tmp_path), "--run-id", "w"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "ollama-out"
+    assert export_main(["--base", str(tmp_path / "w"), "--format", "modelfile", "--out",
+                        str(out)]) == 2
+    assert error_line(capsys, "toymlx-export") == (
+        f"toymlx-export: error: --format modelfile: expected --adapter (a LoRA run or adapter "
+        f"GGUF), found --base {tmp_path / 'w'} alone: a model with no adapter takes a Modelfile "
+        f"of one line, FROM {(tmp_path / 'w' / 'weights' / 'step_1.gguf').absolute()} (then "
+        "ollama create NAME -f Modelfile)")
+    assert not out.exists()
+
+
 def test_vocab_cut(stories_path, text_file):
     task = _build(_cfg(stories_path, text_file, vocab=300))
     assert task.model.table.shape == (300, 64) and task.model.args.vocab_size == 300
