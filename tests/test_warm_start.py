@@ -212,8 +212,9 @@ def test_width_mismatch(tmp_path, text_file):
 
 def test_vocab_smaller_than_asked(tmp_path, text_file):
     p = _donor(tmp_path / "d.gguf")
-    _fails(_cfg(p, text_file, vocab=300), str(p), "tensor 'token_embd.weight' rows",
-           "expected at least 300 (--warm.vocab)", "found 259")
+    assert _fails(_cfg(p, text_file, vocab=300)) == (
+        f"{p}: tensor 'token_embd.weight' rows: expected at least 300 (--warm.vocab), found 259; "
+        "use --warm.vocab 259 or less (the donor's whole vocabulary)")
     small = _donor(tmp_path / "small.gguf", rows=200)
     _fails(_cfg(small, text_file), str(small), "expected at least 259",
            "tokenizer.ggml.tokens", "found 200")

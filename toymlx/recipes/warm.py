@@ -92,8 +92,10 @@ def read_donor(path: str | os.PathLike, vocab: int | None = None) -> Donor:
     want = vocab or n_tokens or rows  # a padded table's extra rows have no token
     if want > rows:
         why = "--warm.vocab" if vocab else "one per token of tokenizer.ggml.tokens"
+        most = min(rows, n_tokens or rows)  # a padded table's extra rows have no token
+        fix = f"; use --warm.vocab {most} or less (the donor's whole vocabulary)" if vocab else ""
         raise GGUFError(f"{g.path}: tensor {name!r} rows: expected at least {want} ({why}), "
-                        f"found {rows}")
+                        f"found {rows}{fix}")
     table = g.load(name)[:want]
     return Donor(g.path, width, np.ascontiguousarray(table), info.type_name, dict(g.metadata),
                  unread=len(g.tensors) - 1)
