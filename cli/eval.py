@@ -62,8 +62,8 @@ class Args:
     seq_len: int | None = None
     """Llama only: tokens per window, or targets per chat/SFT row (an example cut there).
     Default: a run's own --seq-len; for a model outside a run, on a data folder 2047 (mlx-lm's
-    max_seq_length 2048 tokens, 2047 targets; the model's context where that is shorter), else
-    256."""
+    max_seq_length 2048 tokens, 2047 targets), else 256; either cut to the model's context
+    where that is shorter."""
     max_examples: Annotated[int | None, tyro.conf.arg(aliases=("--limit",))] = None
     """Score only the first N examples of the split, in its fixed order (the same ones every
     call), for a quick estimate: images (a ViT), windows of --seq-len tokens (a text run),
@@ -285,7 +285,7 @@ def outside_rows(args: Args, model: Any) -> ChatRows:
                         "trained" if mask else "every token scored (--data.no-mask-prompt)",
                         args.batch_size or 256)
     longest = MLX_LM_DEFAULTS["max_seq_length"] - 1
-    context = getattr(getattr(model, "args", None), "context", None) or longest
+    context = model_context(model) or longest
     seq_len = args.seq_len or min(longest, context)
     mask = MLX_LM_DEFAULTS["mask_prompt"] if given is None else given
     cut = (f"its max_seq_length {longest + 1} tokens" if seq_len == longest else
@@ -322,10 +322,15 @@ def check_no_plot(args: Args, found: str) -> None:
                          f"matrix of its classes), found {found} ({args.model}); drop --plot")
 
 
+def model_context(model: Any) -> int | None:
+    """The context length a Llama was trained for (its GGUF's <arch>.context_length)."""
+    return getattr(getattr(model, "args", None), "context", None)
+
+
 def check_context(seq_len: int, model: Any, path: Any) -> None:
     """A window no longer than the model was trained for: RoPE beyond its context gives a loss
     of a model it never was."""
-    context = getattr(getattr(model, "args", None), "context", None)
+    context = model_context(model)
     if context is not None and seq_len > context:
         raise ValueError(f"--seq-len: expected at most {context} (the context length of "
                          f"{path}), found {seq_len}")
@@ -1074,7 +1079,11 @@ def evaluate(args: Args) -> dict:
                 print(f"{PROG}: {note}", file=sys.stderr)
             data = cfg.data if args.data_path is None else dataclasses.replace(
                 cfg.data, path=args.data_path)
-        seq_len = args.seq_len or getattr(cfg, "seq_len", 256)
+        # a file outside a run: eval's 256 cut to the model's context, as on a data folder (a
+        # warm-start or from-scratch export's is its --seq-len, 64 say: 256 was refused, naming
+        # a --seq-len never given)
+        seq_len = args.seq_len or getattr(cfg, "seq_len", None) or min(
+            256, model_context(model) or 256)
         check_context(seq_len, model, path)
         if args.split == "test":  # the run's data folder's test.jsonl, as its --test scores it
             check_test_folder(data.path, "--split test")

@@ -128,8 +128,18 @@ def export_vit(args: Args) -> int:
 
 
 def export_modelfile(args: Args) -> int:
+    from toymlx.bundle.checkpoint import checkpoint_file
     from toymlx.interop.modelfile import write_modelfile
 
+    if not args.adapter and args.base and not args.model:  # a from-scratch or warm-start model
+        from toymlx.gguf.reader import read_metadata, refuse_adapter
+
+        gguf = checkpoint_file(args.base, "--base", check_digest=False).absolute()
+        refuse_adapter(gguf, read_metadata(gguf))  # a LoRA run given as --base: its own line
+        raise ValueError(f"--format modelfile: expected --adapter (a LoRA run or adapter GGUF), "
+                         f"found --base {args.base} alone: a model with no adapter takes a "
+                         f"Modelfile of one line, FROM {gguf} (then ollama create NAME -f "
+                         "Modelfile)")
     if not args.adapter or args.model or (args.dtype and not args.fuse):
         raise ValueError("--format modelfile: expected --adapter (a LoRA run or adapter GGUF), "
                          "--out DIR and optionally --base, --fuse and --dtype (with --fuse), "

@@ -716,6 +716,27 @@ def test_a_text_run_is_scored_on_its_own_eval_windows_by_default(tmp_path, capsy
     assert every["val_loss"] == pytest.approx(by_numpy(n, 1), abs=1e-5)
 
 
+def test_a_checkpoint_outside_its_run_is_scored_at_its_context_by_default(tmp_path, capsys,
+                                                                          shared_file):
+    """A from-scratch or warm-start checkpoint's context is its run's --seq-len (32 here): copied
+    out of its run (or exported) and scored on a text file with no --seq-len, eval took its
+    256 and refused it, "--seq-len: expected at most 32 (the context length of c.gguf), found
+    256", a value never given. Now eval's 256 is cut to the model's context, as on a data
+    folder: the loss of --seq-len 32 given."""
+    text = tmp_path / "t.txt"
+    text.write_text(shared_file("text/tinystories_sample.txt").read_text()[:3000])
+    assert train_main(["--recipe", "from-scratch", "--model.d-model", "32", "--model.n-layers",
+                       "1", "--model.n-heads", "4", "--model.n-kv-heads", "2",
+                       "--model.ffn-dim", "64", "--seq-len", "32", "--steps", "1",
+                       "--batch-size", "2", "--data.path", str(text), "--runs-root",
+                       str(tmp_path), "--run-id", "t", "--no-progress"]) == 0
+    copy = tmp_path / "c.gguf"
+    shutil.copy(tmp_path / "t" / "weights" / "step_1.gguf", copy)
+    got = _json(capsys, copy, "--data.path", text)
+    given = _json(capsys, copy, "--data.path", text, "--seq-len", "32")
+    assert got["seq_len"] == 32 and got == given
+
+
 def test_a_run_s_held_out_split_of_data_changed_since_is_refused(tmp_path, capsys):
     """toymlx-eval RUN scored its text file as it was now: after a line was appended, the
     seeded split held other windows (some the run trained on) and the figure moved (5.5018 to

@@ -132,7 +132,11 @@ def _fails(cfg: ws.Config, *parts: str) -> str:
 
 
 def test_no_donor(text_file):
-    _fails(_cfg(None, text_file), "--donor", "expected a llama GGUF", "found none")
+    """`toymlx-train --recipe warm-start` alone, a newcomer's first command: the line names a
+    donor to give, as lora's names a --base."""
+    assert _fails(_cfg(None, text_file)) == (
+        "--donor: expected a llama GGUF to take the token table from, found none (e.g. --donor "
+        "SmolLM2-135M-Instruct.Q4_1.gguf)")
 
 
 def test_missing_donor(tmp_path, text_file):
@@ -208,8 +212,9 @@ def test_width_mismatch(tmp_path, text_file):
 
 def test_vocab_smaller_than_asked(tmp_path, text_file):
     p = _donor(tmp_path / "d.gguf")
-    _fails(_cfg(p, text_file, vocab=300), str(p), "tensor 'token_embd.weight' rows",
-           "expected at least 300 (--warm.vocab)", "found 259")
+    assert _fails(_cfg(p, text_file, vocab=300)) == (
+        f"{p}: tensor 'token_embd.weight' rows: expected at least 300 (--warm.vocab), found 259; "
+        "use --warm.vocab 259 or less (the donor's whole vocabulary)")
     small = _donor(tmp_path / "small.gguf", rows=200)
     _fails(_cfg(small, text_file), str(small), "expected at least 259",
            "tokenizer.ggml.tokens", "found 200")
@@ -219,6 +224,17 @@ def test_identity_needs_equal_widths(tmp_path, text_file):
     p = _donor(tmp_path / "d.gguf", width=64)
     _fails(_cfg(p, text_file, lens="identity"), "--warm.lens identity", "donor width 64",
            "found 32")
+
+
+def test_bad_data_is_refused_before_the_lens_is_computed(tmp_path, stories_path, monkeypatch):
+    """A mistyped --data.path was read only after the donor's PCA lens, an SVD of the whole
+    table (SmolLM2's: 6-7 s quiet, 60 s on a busy host; the refusal came after 2 minutes,
+    from-scratch's in 3 s): the data is read first now, and the lens never computed."""
+    calls = []
+    monkeypatch.setattr(warm, "make_lens", lambda *a: calls.append(a))
+    with pytest.raises(ValueError, match="nope.txt: expected a UTF-8 text file, found nothing"):
+        _build(_cfg(stories_path, str(tmp_path / "nope.txt")))
+    assert calls == []
 
 
 def test_cli_fails_before_training(tmp_path, text_file, capsys):
@@ -499,6 +515,19 @@ def test_freezing_keeps_the_table_bit_identical(stories_path, text_file, compile
         assert not np.array_equal(np.array(m.lens), lens0)
 
 
+def test_freeze_embeddings_help_says_the_lens_still_trains(capsys):
+    """The help said "Keep the table fixed", read as the student's embeddings; with -1 (the
+    whole run) the checkpoints' token_embd.weight still changed (stories260K, steps 2 to 4: by
+    up to 0.0086 against an RMS of 0.31), as the lens trains."""
+    with pytest.raises(SystemExit):
+        main(["--recipe", "warm-start", "--help"])
+    out = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert ("--warm.freeze-embeddings INT Keep the donor's table fixed for the first K steps (0: "
+            "never, -1: the whole run); the lens still trains, so the student's embeddings "
+            "(table @ lens, the checkpoint's token_embd.weight) still change. (default: 0)"
+            ) in out
+
+
 def test_freezing_whole_run(tmp_path, stories_path, text_file):
     cfg = _cfg(stories_path, text_file, steps=3, freeze_embeddings=-1)
     task = ws.build(cfg, run_ops(cfg))
@@ -525,6 +554,49 @@ def test_resume_across_the_unfreeze_is_exact(tmp_path, stories_path, text_file):
 
     assert len(losses("part")) == 8
     np.testing.assert_allclose(losses("part"), losses("full"), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_a_half_precision_checkpoint_resumes_exactly(tmp_path, stories_path, text_file, dtype):
+    """--save-dtype f16 or bf16 rounds the folded token_embd.weight in the GGUF, and the resume
+    compared it with the side file's table @ lens at 1e-5: every such run stopped with "table @
+    lens: expected to equal step_2.gguf's token_embd.weight, found a mismatch ...; no intact
+    checkpoint is left". Now it resumes, with the losses of a run never stopped."""
+    flags = ["--recipe", "warm-start", "--donor", str(stories_path), "--data.path", text_file,
+             *W32_FLAGS, "--seq-len", "32", "--batch-size", "4", "--steps", "4",
+             "--checkpoint-every", "2", "--save-dtype", dtype, "--no-progress",
+             "--runs-root", str(tmp_path)]
+    assert main([*flags, "--run-id", "full"]) == 0
+    assert main([*flags, "--run-id", "part", "--stop-at", "2"]) == 0
+    assert main(["--resume", str(tmp_path / "part"), "--no-progress"]) == 0
+
+    def losses(run):
+        return [e["loss"] for e in read_events(tmp_path / run) if e["kind"] == "step"]
+
+    assert len(losses("part")) == 4 and losses("part") == losses("full")
+
+
+def test_a_modelfile_of_a_run_without_an_adapter_says_the_line_to_write(tmp_path, stories_path,
+                                                                         text_file, capsys):
+    """`toymlx-export --base RUN --format modelfile` of a warm-start (or from-scratch) run said
+    "expected --adapter ..., found no --adapter": now it says the one-line Modelfile such a model
+    takes, with its checkpoint's absolute path, and writes nothing."""
+    from cli_errors import error_line
+    from toymlx_cli.export import main as export_main
+
+    assert main(["--recipe", "warm-start", "--donor", str(stories_path), "--data.path", text_file,
+                 *W32_FLAGS, "--seq-len", "32", "--batch-size", "4", "--steps", "1",
+                 "--no-progress", "--runs-root", str(tmp_path), "--run-id", "w"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "ollama-out"
+    assert export_main(["--base", str(tmp_path / "w"), "--format", "modelfile", "--out",
+                        str(out)]) == 2
+    assert error_line(capsys, "toymlx-export") == (
+        f"toymlx-export: error: --format modelfile: expected --adapter (a LoRA run or adapter "
+        f"GGUF), found --base {tmp_path / 'w'} alone: a model with no adapter takes a Modelfile "
+        f"of one line, FROM {(tmp_path / 'w' / 'weights' / 'step_1.gguf').absolute()} (then "
+        "ollama create NAME -f Modelfile)")
+    assert not out.exists()
 
 
 def test_vocab_cut(stories_path, text_file):

@@ -92,8 +92,10 @@ def read_donor(path: str | os.PathLike, vocab: int | None = None) -> Donor:
     want = vocab or n_tokens or rows  # a padded table's extra rows have no token
     if want > rows:
         why = "--warm.vocab" if vocab else "one per token of tokenizer.ggml.tokens"
+        most = min(rows, n_tokens or rows)  # a padded table's extra rows have no token
+        fix = f"; use --warm.vocab {most} or less (the donor's whole vocabulary)" if vocab else ""
         raise GGUFError(f"{g.path}: tensor {name!r} rows: expected at least {want} ({why}), "
-                        f"found {rows}")
+                        f"found {rows}{fix}")
     table = g.load(name)[:want]
     return Donor(g.path, width, np.ascontiguousarray(table), info.type_name, dict(g.metadata),
                  unread=len(g.tensors) - 1)
@@ -290,6 +292,11 @@ def save_warm_state(ckpt: Path, model: WarmLlama, meta: dict[str, Any]) -> None:
     ck.save_state(warm_path(ckpt), {"table": model.embed.weight, "lens": model.embed.lens}, meta)
 
 
+ROUNDING = {"F16": 2.0 ** -11, "BF16": 2.0 ** -8}
+"""Relative rounding (half an ulp) of the tensor types --save-dtype writes besides F32: the
+most a checkpoint's token_embd.weight differs from the table @ lens it was written from."""
+
+
 def load_warm_checkpoint(ckpt: Path, model: WarmLlama) -> None:
     """Restore a warm checkpoint exactly: blocks from the GGUF, table and lens from the side file."""
     ckpt = Path(ckpt)
@@ -305,8 +312,9 @@ def load_warm_checkpoint(ckpt: Path, model: WarmLlama) -> None:
         except ValueError as e:
             raise GGUFError(f"{side}: {e}") from None
         stored = g.load("token_embd.weight")
+        rtol = ROUNDING.get(g.tensors["token_embd.weight"].type_name, 0.0)
     folded = np.array(model.embed.folded())
-    if stored.shape != folded.shape or not np.allclose(stored, folded, rtol=0, atol=1e-5):
+    if stored.shape != folded.shape or not np.allclose(stored, folded, rtol=rtol, atol=1e-5):
         raise GGUFError(f"{side}: table @ lens: expected to equal {ckpt.name}'s "
                         "token_embd.weight, found a mismatch (side file of another checkpoint?)")
     mx.eval(model.parameters())

@@ -57,7 +57,9 @@ class WarmOptions:
     init: Literal["donor", "random"] = "donor"
     """Table values: donor, or random (Gaussian noise of the donor table's RMS: a baseline)."""
     freeze_embeddings: int = 0
-    """Keep the table fixed for the first K steps (0: never, -1: the whole run)."""
+    """Keep the donor's table fixed for the first K steps (0: never, -1: the whole run); the
+    lens still trains, so the student's embeddings (table @ lens, the checkpoint's
+    token_embd.weight) still change."""
     vocab: int | None = None
     """Use the first N tokens of the donor's vocabulary and table (default: all)."""
 
@@ -92,7 +94,7 @@ def validate(cfg: Config) -> None:
     check_reading(cfg.data)
     if not cfg.donor:
         raise ValueError("--donor: expected a llama GGUF to take the token table from, "
-                         "found none")
+                         "found none (e.g. --donor SmolLM2-135M-Instruct.Q4_1.gguf)")
     check_model_file(cfg.donor, "--donor")
     if cfg.warm.freeze_embeddings < -1:
         raise ValueError(f"--warm.freeze-embeddings: expected -1, 0 or a step count, "
@@ -190,16 +192,17 @@ def build(cfg: Config, ops: Ops) -> Task:
     table = donor.table[:vocab]
     args = cfg.model.build_args(vocab)
     check_seq_len(cfg.seq_len, args)
-    rng = np.random.default_rng([cfg.seed, 0x5741524D])  # apart from the model's init stream
-    if w.init == "random":
-        table = rng.normal(0.0, warm.rms(table), table.shape).astype(np.float32)
-    lens = warm.make_lens(w.lens, table, args.d_model, rng)
+    # the data before the lens: a bad --data.path is refused without waiting for the SVD
     data = load_token_data(cfg.data, tok, cfg.seq_len, cfg.test, progress=cfg.progress)
     top = max(int(ids.max(initial=0)) for ids in (data.train, data.val, data.test)
               if ids is not None)
     if top >= vocab:
         raise ValueError(f"--warm.vocab: expected every token id of {data.source} below "
                          f"{vocab}, found {top}; use a larger --warm.vocab")
+    rng = np.random.default_rng([cfg.seed, 0x5741524D])  # apart from the model's init stream
+    if w.init == "random":
+        table = rng.normal(0.0, warm.rms(table), table.shape).astype(np.float32)
+    lens = warm.make_lens(w.lens, table, args.d_model, rng)
     mx.random.seed(cfg.seed)
     model = warm.WarmLlama(args, donor.width, ops)
     model.set_embedding(table, lens)
