@@ -82,8 +82,11 @@ FULL_TRAINED_BYTES = 12
 and AdamW's two moments (`toymlx.training.optimizers`: the update is in place). Measured
 (session 58, AMD EPYC, 2 cores shared; MLX's peak in the steps, MiB): SmolLM2-135M Q4_1's full
 fine-tune at 1 x 256 2,561 (counted now 2,580), --full.layers 2 in blocks 227 (246), as float32
-621 (634). Counted 16 until session 58, the value twice: the full 1 x 256 step 3,410 MiB
-against a peak RSS of 2,834 (20% over; now 2,833)."""
+621 (634), --full.layers 10 in blocks 668 (751). Counted 16 until session 58, the value twice:
+the full 1 x 256 step 3,410 MiB against a peak RSS of 2,834 (20% over; now 2,833). Not yet
+understood: the Llama-3.2-1B shape's --full.layers 2 at 1 x 512 --grad-checkpoint peaked at
+2,649 MiB by MLX's count in step 1 (counted 2,640) and 2,893 from step 2; its estimate, 3,520
+with the value twice, is now 2,992 against a peak RSS of 3,220 (7% under)."""
 HEAD_LOGITS_COPIES = 6
 """float32 copies of a frozen head's slice of logits alive at once in the loss
 (`toymlx.models.losses.frozen_head_cross_entropy`: the logits, their exponentials, the
