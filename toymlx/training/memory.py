@@ -2,12 +2,14 @@
 before anything is loaded, against the memory this machine has.
 
 The estimate adds, in bytes:
-- base: the frozen weights as the run holds them (`base_bytes`): float-held (`--base-dtype`
-  float32/bfloat16/float16), every value at that width; held in the file's blocks, each quantized
-  tensor at about its size in the file, F32/F16/BF16 tensors at 4 bytes a value (norms).
-- trained: each trained value with its gradient and AdamW's two moments, float32 (16 bytes).
-  A full fine-tune trains the whole base (and holds it at 4 bytes a value); with --full.layers
-  N, the last N blocks' tensors (held at 4 bytes a value), the rest held as frozen.
+- base: the weights as the run holds them (`base_bytes`; a full fine-tune's trained ones as
+  float32): float-held (`--base-dtype` float32/bfloat16/float16), every value at that width;
+  held in the file's blocks, each quantized tensor at about its size in the file, F32/F16/BF16
+  tensors at 4 bytes a value (norms).
+- trained: what training adds: each adapter value with its gradient and AdamW's two moments,
+  float32 (16 bytes); a full fine-tune's trained values, held in base at 4 bytes a value, their
+  gradients and two moments (12 bytes). A full fine-tune trains the whole base; with
+  --full.layers N, the last N blocks' tensors, the rest held as frozen.
 - activations: what the backward pass keeps per token and per block (`_block_values`,
   `BLOCK_D_VALUES`), times the blocks the gradient runs through: those from the first adapted
   or trained block up (--lora.layers, --full.layers) or all (full). With --grad-checkpoint,
@@ -43,14 +45,16 @@ from toymlx.models.llama import LlamaArgs, attention_values
 from toymlx.models.losses import head_slices, logits_chunk
 from toymlx.models.ops import Ops
 
-RUNTIME_BYTES = 160 * 2**20
+RUNTIME_BYTES = 96 * 2**20
 """What a run's RSS holds beyond MLX's arrays and the tokenizer whatever the model: the
-interpreter and libraries, the data, the GGUF's mapped header, MLX's buffer cache (32 MB).
-Measured (session 57, AMD EPYC, 2 cores shared, the recipe as users run it; /proc/self/status
-and glibc's mallinfo2 sampled every 10 ms): 86 MiB outside the heap (37 of it file pages) and
-48-83 MiB of the heap in use beyond MLX's arrays, on SmolLM2-135M and the Llama-3.2-1B shape.
-Until session 57 one fixed 448 MiB stood for all of the runtime: the Llama-3.1-8B shape's
-1 x 512 --grad-checkpoint step was estimated 9% under its peak RSS."""
+interpreter and libraries, the GGUF's header, what `toymlx-train` holds before the base loads.
+Measured (session 58, AMD EPYC, 2 cores shared; /proc/PID/status sampled every 20 ms): the
+LoRA command on SmolLM2-135M at 84-92 MiB until its weights load (importing toymlx and MLX:
+62). Session 57's 160 MiB (86 outside the heap, 48-83 of the heap in use beyond MLX's arrays)
+held the heap's tokenizer, counted again by `TOKENIZER_BYTES`: SmolLM2's LoRA q 1 x 256 step
+was estimated 18.7% over its peak RSS (1,109 against 935 MiB), now 11.8%. Until session 57 one
+fixed 448 MiB stood for all of the runtime: the Llama-3.1-8B shape's 1 x 512 --grad-checkpoint
+step was estimated 9% under its peak RSS."""
 TOKENIZER_BYTES = 1024
 """Bytes a run holds per vocabulary token for the tokenizer and the header's token lists
 (`Tokenizer.from_metadata`; measured: 33 MiB for SmolLM2's 49,152 tokens, 101 for Qwen2's
@@ -65,8 +69,24 @@ other parts' count. Peak RSS less MLX's peak, measured (MiB; AMD EPYC, 2 cores):
 (28 x 3072) 405 (553 in session 56) and the 8B (32 x 4096) 792 (session 56), at 1 x 512
 --grad-checkpoint: at most about 55 + 6 KiB per block and width, by neither the file's size
 nor the base's (the 1B held as 4 GB of float32 kept less than in 0.65 GB of blocks); it varies
-by 150 MiB from run to run (the 3B). This and the fixed parts put the 8B's step 1.4% over its
-peak RSS, the 3B's 9-17%, SmolLM2's LoRA q steps 7-19%."""
+by 150 MiB from run to run (the 3B). Less the fixed parts (~113 MiB on SmolLM2's tokenizer) it
+is 5.3 KiB a block and width on the 8B but ~1.4 on SmolLM2 at 1 x 256 (137 MiB, session 58),
+4.4 at 4 x 256 (188), 9.4 for its full fine-tune at 1 x 256 (271): the 6.5 counted covers the
+8B's step (MLX's peak 170 MiB over the other parts' count) and leaves SmolLM2's 1 x 256 LoRA
+12% over."""
+ADAPTER_TRAINED_BYTES = 16
+"""Bytes an adapter value takes while it trains: itself, its gradient and AdamW's two moments,
+float32 (the base does not hold it)."""
+FULL_TRAINED_BYTES = 12
+"""Bytes a fully trained value takes beyond its float32 self, which base counts: its gradient
+and AdamW's two moments (`toymlx.training.optimizers`: the update is in place). Measured
+(session 58, AMD EPYC, 2 cores shared; MLX's peak in the steps, MiB): SmolLM2-135M Q4_1's full
+fine-tune at 1 x 256 2,561 (counted now 2,580), --full.layers 2 in blocks 227 (246), as float32
+621 (634), --full.layers 10 in blocks 668 (751). Counted 16 until session 58, the value twice:
+the full 1 x 256 step 3,410 MiB against a peak RSS of 2,834 (20% over; now 2,833). Not yet
+understood: the Llama-3.2-1B shape's --full.layers 2 at 1 x 512 --grad-checkpoint peaked at
+2,649 MiB by MLX's count in step 1 (counted 2,640) and 2,893 from step 2; its estimate, 3,520
+with the value twice, is now 2,992 against a peak RSS of 3,220 (7% under)."""
 HEAD_LOGITS_COPIES = 6
 """float32 copies of a frozen head's slice of logits alive at once in the loss
 (`toymlx.models.losses.frozen_head_cross_entropy`: the logits, their exponentials, the
@@ -277,19 +297,22 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
     width = _WIDTH.get(ops.dtype, 4)
     train = (block_tensors(g.tensors, range(a.n_layers - min(layers, a.n_layers), a.n_layers))
              if full and layers else frozenset())
+    # a fully trained value is held in base (float32): trained adds its gradient and AdamW's
+    # two moments, 12 bytes (16 counted it twice: SmolLM2-135M's full 1 x 256 step 531 MiB
+    # over MLX's peak)
     if full and not layers:
         n = sum(t.n_elements for t in g.tensors.values())
-        base, trained, blocks = n * 4, n * 16, a.n_layers
+        base, trained, blocks = n * 4, n * FULL_TRAINED_BYTES, a.n_layers
     elif full:  # the last `layers` blocks trained (float32), the rest held as frozen
         n = sum(g.tensors[name].n_elements for name in train)
-        base, trained = base_bytes(g, held, train) + n * 4, n * 16
+        base, trained = base_bytes(g, held, train) + n * 4, n * FULL_TRAINED_BYTES
         blocks = min(layers, a.n_layers)
     else:
         dims = projection_dims(a)
         blocks = min(layers or a.n_layers, a.n_layers)
         per_block = sum(rank * (dims[t][0] + dims[t][1]) + (dims[t][0] if dora else 0)
                         for t in targets)
-        base, trained = base_bytes(g, held), per_block * blocks * 16
+        base, trained = base_bytes(g, held), per_block * blocks * ADAPTER_TRAINED_BYTES
     # a full fine-tune trains every projection: each keeps its input, as an adapter's does
     per_block = (_block_values(a, seq_len, ops, tuple(projection_dims(a)) if full else targets)
                  * tokens * width)
