@@ -144,6 +144,26 @@ def test_unreadable_donor(tmp_path, text_file):
     _fails(_cfg(tmp_path, text_file), str(tmp_path), "expected a GGUF file", "found a directory")
 
 
+def test_a_hugging_face_folder_as_donor_or_tokenizer_is_named(tmp_path, text_file):
+    """--donor or --tokenizer given a Hugging Face model folder (config.json, model.safetensors,
+    tokenizer.json) said "expected a GGUF file, found a directory", where --base and --model
+    name the folder and say that toymlx reads the model's GGUF instead."""
+    from toymlx.recipes import from_scratch as fs
+
+    hf = tmp_path / "SmolLM2-135M"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "llama"}')
+    (hf / "tokenizer.json").write_text('{"version": "1.0", "added_tokens": []}')
+    mx.save_safetensors(str(hf / "model.safetensors"), {"w": mx.zeros((2, 2))})
+    named = ("expected a GGUF file, found a Hugging Face model folder (config.json and "
+             "model.safetensors, as mlx-lm's --model takes; toymlx reads that model's GGUF file "
+             "instead)")
+    assert _fails(_cfg(hf, text_file)) == f"{hf}: --donor: {named}"
+    with pytest.raises(ValueError) as e:
+        fs.validate(fs.Config(tokenizer=str(hf)))
+    assert str(e.value) == f"{hf}: --tokenizer: {named}"
+
+
 def test_a_run_folder_as_donor_names_its_checkpoint(tmp_path, text_file):
     """--donor runs/ID (the folder every other command takes) was "file: expected a GGUF file,
     found a directory"; lora's --base runs/ID called it a Hugging Face model folder."""

@@ -424,7 +424,9 @@ def check_model_file(spec: str | os.PathLike, flag: str) -> None:
     if not Path(spec).exists():
         raise ValueError(f"{spec}: {flag}: expected an existing GGUF file, found "
                          f"{nothing_there(spec)}{hf_name_hint(spec)}")
-    raise ValueError(f"{spec}: {flag}: expected a GGUF file, found {not_a_file(spec)}")
+    # a Hugging Face model folder is named as --base and --model name it, not "a directory"
+    raise ValueError(f"{spec}: {flag}: expected a GGUF file, found "
+                     f"{ck.hf_model_folder(spec) or not_a_file(spec)}")
 
 
 def refuse_run_folder(spec: str | os.PathLike, flag: str) -> None:
