@@ -196,6 +196,13 @@ def test_not_gguf(tmp_path, text_file):
         f"{st}: magic: expected b'GGUF', found b'M\\x00\\x00\\x00' (not a GGUF file: Hugging Face "
         "safetensors weights; llama.cpp's convert_hf_to_gguf.py makes a GGUF of the model's "
         "folder)")
+    tok = tmp_path / "tokenizer.json"  # Hugging Face's, as `tokenizers` writes it
+    tok.write_text('{\n  "version": "1.0",\n  "truncation": null,\n  "padding": null,\n  '
+                   '"added_tokens": [],\n  "model": {"type": "BPE"}\n}')
+    assert _fails(_cfg(tok, text_file)) == (
+        f"{tok}: magic: expected b'GGUF', found b'{{\\n  ' (not a GGUF file: a Hugging Face "
+        "tokenizer.json; llama.cpp's convert_hf_to_gguf.py makes a GGUF of the model's folder "
+        "(--vocab-only: its tokenizer alone))")
     p.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)))
     assert _fails(_cfg(p, text_file)).endswith("found b'\\x1f\\x8b\\x08\\x00' (not a GGUF file)")
 
