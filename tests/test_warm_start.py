@@ -164,6 +164,20 @@ def test_a_hugging_face_folder_as_donor_or_tokenizer_is_named(tmp_path, text_fil
     assert str(e.value) == f"{hf}: --tokenizer: {named}"
 
 
+def test_nanogpts_gpt2_as_tokenizer_names_llama_cpps_file(tmp_path, monkeypatch):
+    """--tokenizer gpt2 (nanoGPT's prepare.py takes tiktoken's gpt2; TEXT.md says --tokenizer
+    takes a GGUF's "as nanoGPT takes GPT-2's") said only "found nothing at that path"."""
+    from toymlx.recipes import from_scratch as fs
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as e:
+        fs.validate(fs.Config(tokenizer="gpt2"))
+    assert str(e.value) == (
+        "gpt2: --tokenizer: expected an existing GGUF file, found nothing at that path; "
+        "nanoGPT's gpt2 (tiktoken's) is in llama.cpp's vocab-only models/ggml-vocab-gpt-2.gguf: "
+        "--tokenizer ggml-vocab-gpt-2.gguf")
+
+
 def test_a_run_folder_as_donor_names_its_checkpoint(tmp_path, text_file):
     """--donor runs/ID (the folder every other command takes) was "file: expected a GGUF file,
     found a directory"; lora's --base runs/ID called it a Hugging Face model folder."""
