@@ -88,20 +88,15 @@ NOT_TEXT = {
 """Files people give as data that are not text, by their first bytes (read where the text is
 not UTF-8): what each is and what to do instead of "re-save the file as UTF-8" ({file}: the
 file's path; {utf8}: FILE-utf8.SUFFIX beside it, its suffix kept, which decides how it is read)."""
-MOVE_OUT = "; then move {name} out of the folder, whose every text file is read"
-"""After the iconv line for a file of a folder of texts: the copy beside it is read, and so is
-the file itself, refused again until it leaves the folder."""
 
 
-def open_text(path: str | Path, block: int | None = None, in_folder: bool = False
-              ) -> tuple[int, Iterator[str]]:
+def open_text(path: str | Path, block: int | None = None) -> tuple[int, Iterator[str]]:
     """(the file's size in bytes, its UTF-8 text in pieces of about `block` bytes, default
     `READ_BYTES`): the file is read once, a block at a time, so a large file is never held
     whole. The one-line
     DataErrors of `read_text`: a directory, FIFO or unreadable file here; a byte that is not
     UTF-8, an empty file or one of whitespace alone from the iterator, once it meets them
-    (the last two at its end). A leading UTF-8 BOM is not content. `in_folder`: a file of a
-    folder of texts, whose iconv line also says to move it out (`MOVE_OUT`)."""
+    (the last two at its end). A leading UTF-8 BOM is not content."""
     path = Path(path)
     if path.is_dir():
         raise DataError(f"{path}: expected a UTF-8 text file, found a directory")
@@ -114,19 +109,18 @@ def open_text(path: str | Path, block: int | None = None, in_folder: bool = Fals
         raise DataError(f"{path}: expected a UTF-8 text file, found {nothing_there(path)}") from None
     except OSError as e:
         raise DataError(f"{path}: cannot read data file ({e.strerror or e})") from None
-    pieces = _pieces(path, f, block or READ_BYTES, in_folder)
+    pieces = _pieces(path, f, block or READ_BYTES)
     next(pieces)  # into its `with f`: the file closes with the iterator, read or not
     return size, pieces
 
 
-def _pieces(path: Path, f: BinaryIO, block: int, in_folder: bool = False) -> Iterator[str]:
+def _pieces(path: Path, f: BinaryIO, block: int) -> Iterator[str]:
     """`open_text`'s pieces, after one "" that takes the iterator into `with f` (an iterator
     never started would leave `f` open: a consumer that fails before it reads, a tokenizer
     without the bos id it must add)."""
     offset = lines = 0  # the file offset of `rest`, and the newlines before it
     rest, first, seen, content = b"", True, False, False
     ascii_only = True  # every character so far ASCII: a bad byte is then of another encoding
-    move_out = MOVE_OUT.format(name=path.name) if in_folder else ""
     with f:
         yield ""
         while True:
@@ -144,15 +138,13 @@ def _pieces(path: Path, f: BinaryIO, block: int, in_folder: bool = False) -> Ite
                 if found:  # advice for the file it is, not "re-save it as UTF-8"
                     utf8 = path.with_name(f"{path.stem}-utf8{path.suffix}")  # read as it is
                     raise DataError(f"{path}: expected UTF-8 text, found "
-                                    f"{found.format(file=path, utf8=utf8)}"
-                                    f"{move_out if '{utf8}' in found else ''}") from None
+                                    f"{found.format(file=path, utf8=utf8)}") from None
                 line = lines + data.count(b"\n", 0, e.start) + 1
                 single = ascii_only and data[:e.start].isascii()
                 raise DataError(
                     f"{path}: not valid UTF-8 at byte offset {offset + e.start} (line {line}, "
                     f"byte 0x{data[e.start]:02x}); expected UTF-8 text, re-save the file as UTF-8"
-                    f"{_single_byte_hint(path, data[e.start], move_out) if single else ''}"
-                ) from None
+                    f"{_single_byte_hint(path, data[e.start]) if single else ''}") from None
             if first and text:
                 text, first = text.removeprefix("\ufeff"), False  # a UTF-8 BOM is not content
             if text:
@@ -168,7 +160,7 @@ def _pieces(path: Path, f: BinaryIO, block: int, in_folder: bool = False) -> Ite
         raise DataError(f"{path}: {what}; expected UTF-8 text")
 
 
-def _single_byte_hint(path: Path, byte: int, move_out: str = "") -> str:
+def _single_byte_hint(path: Path, byte: int) -> str:
     """The iconv line that re-saves `path` as UTF-8 where its first non-ASCII `byte` is not
     UTF-8 and nothing before it was (so not a UTF-8 file cut or spliced): a single-byte
     encoding, most often Windows-1252 (Latin-1's superset: old Project Gutenberg texts, files
@@ -179,7 +171,7 @@ def _single_byte_hint(path: Path, byte: int, move_out: str = "") -> str:
         return ""
     utf8 = path.with_name(f"{path.stem}-utf8{path.suffix}")
     return (f" (0x{byte:02x} is {char!r} in Windows-1252, Latin-1's superset: iconv -f CP1252 "
-            f"-t UTF-8 {path} > {utf8}{move_out})")
+            f"-t UTF-8 {path} > {utf8})")
 
 
 def read_text(path: str | Path) -> str:
@@ -306,7 +298,7 @@ def document_ids(path: Path, tokenizer: Encoder, bar: Any = None) -> np.ndarray:
     documents llama.cpp's tokenizers give (Llama's `<s> ... </s>`) and nanoGPT's prepare.py
     writes (GPT-2's `<|endoftext|>` after each), and what llama.cpp ends a generation on; no
     BPE merge crosses it. `bar`: `_counted`'s, of the folder."""
-    size, texts = open_text(path, in_folder=True)
+    size, texts = open_text(path)
     ids = tokenizer.encode_stream(_counted(texts, bar), size=size, source=str(path))
     return np.append(ids, np.array([tokenizer.eos_id], ids.dtype))
 
