@@ -313,7 +313,9 @@ def run(args: Args) -> int:
             what = f"{base_spec} (a full fine-tune of {trained_from}): {kept.summary()}"
         else:
             write_merged(out, base, args.adapter, args.dtype, progress=draws_bars())
-            what = f"{base_spec}" + (f" + adapter {args.adapter} (fused)" if args.adapter else "")
+            # a run folder: the checkpoint read, as toymlx-generate names it (latest moves on)
+            what = (f"{base if Path(base_spec).is_dir() else base_spec}"
+                    + (f" + adapter {args.adapter} (fused)" if args.adapter else ""))
             if args.adapter:
                 what += (f" in {args.dtype}; it "
                          + kept_note(adapter_retention(out, base, args.adapter), args.dtype))

@@ -530,6 +530,18 @@ def test_a_checkpoint_under_another_name_is_refused(tmp_path, stopped, straight,
     assert not (tmp_path / "x.gguf").exists()
 
 
+def test_an_export_of_a_run_names_the_checkpoint_it_wrote(tmp_path, stopped, capsys):
+    """toymlx-export --base runs/ID said "wrote x.gguf (0.1 MiB) from runs/ID", not which of
+    the run's checkpoints it read (a run still training moves its latest on), where
+    toymlx-generate --model runs/ID names the file."""
+    run = _copy(stopped, tmp_path)
+    out = tmp_path / "x.gguf"
+    assert export_main(["--base", str(run), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"toymlx-export: wrote {out} (") and err.endswith(" s\n")
+    assert f" MiB) from {run / 'weights' / 'step_4.gguf'} in " in err, err
+
+
 # ---- SIGHUP -----------------------------------------------------------------------------------
 def test_sighup_ends_a_run_like_sigterm(tmp_path, data):
     """A closed terminal or ssh session: the run finishes its step, checkpoints, ends with

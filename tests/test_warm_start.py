@@ -148,6 +148,40 @@ def test_unreadable_donor(tmp_path, text_file):
     _fails(_cfg(tmp_path, text_file), str(tmp_path), "expected a GGUF file", "found a directory")
 
 
+def test_a_hugging_face_folder_as_donor_or_tokenizer_is_named(tmp_path, text_file):
+    """--donor or --tokenizer given a Hugging Face model folder (config.json, model.safetensors,
+    tokenizer.json) said "expected a GGUF file, found a directory", where --base and --model
+    name the folder and say that toymlx reads the model's GGUF instead."""
+    from toymlx.recipes import from_scratch as fs
+
+    hf = tmp_path / "SmolLM2-135M"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "llama"}')
+    (hf / "tokenizer.json").write_text('{"version": "1.0", "added_tokens": []}')
+    mx.save_safetensors(str(hf / "model.safetensors"), {"w": mx.zeros((2, 2))})
+    named = ("expected a GGUF file, found a Hugging Face model folder (config.json and "
+             "model.safetensors, as mlx-lm's --model takes; toymlx reads that model's GGUF file "
+             "instead)")
+    assert _fails(_cfg(hf, text_file)) == f"{hf}: --donor: {named}"
+    with pytest.raises(ValueError) as e:
+        fs.validate(fs.Config(tokenizer=str(hf)))
+    assert str(e.value) == f"{hf}: --tokenizer: {named}"
+
+
+def test_nanogpts_gpt2_as_tokenizer_names_llama_cpps_file(tmp_path, monkeypatch):
+    """--tokenizer gpt2 (nanoGPT's prepare.py takes tiktoken's gpt2; TEXT.md says --tokenizer
+    takes a GGUF's "as nanoGPT takes GPT-2's") said only "found nothing at that path"."""
+    from toymlx.recipes import from_scratch as fs
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as e:
+        fs.validate(fs.Config(tokenizer="gpt2"))
+    assert str(e.value) == (
+        "gpt2: --tokenizer: expected an existing GGUF file, found nothing at that path; "
+        "nanoGPT's gpt2 (tiktoken's) is in llama.cpp's vocab-only models/ggml-vocab-gpt-2.gguf: "
+        "--tokenizer ggml-vocab-gpt-2.gguf")
+
+
 def test_a_run_folder_as_donor_names_its_checkpoint(tmp_path, text_file):
     """--donor runs/ID (the folder every other command takes) was "file: expected a GGUF file,
     found a directory"; lora's --base runs/ID called it a Hugging Face model folder."""
@@ -180,6 +214,13 @@ def test_not_gguf(tmp_path, text_file):
         f"{st}: magic: expected b'GGUF', found b'M\\x00\\x00\\x00' (not a GGUF file: Hugging Face "
         "safetensors weights; llama.cpp's convert_hf_to_gguf.py makes a GGUF of the model's "
         "folder)")
+    tok = tmp_path / "tokenizer.json"  # Hugging Face's, as `tokenizers` writes it
+    tok.write_text('{\n  "version": "1.0",\n  "truncation": null,\n  "padding": null,\n  '
+                   '"added_tokens": [],\n  "model": {"type": "BPE"}\n}')
+    assert _fails(_cfg(tok, text_file)) == (
+        f"{tok}: magic: expected b'GGUF', found b'{{\\n  ' (not a GGUF file: a Hugging Face "
+        "tokenizer.json; llama.cpp's convert_hf_to_gguf.py makes a GGUF of the model's folder "
+        "(--vocab-only: its tokenizer alone))")
     p.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)))
     assert _fails(_cfg(p, text_file)).endswith("found b'\\x1f\\x8b\\x08\\x00' (not a GGUF file)")
 

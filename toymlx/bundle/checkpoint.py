@@ -445,6 +445,22 @@ def _state_header(path: Path) -> dict[str, Any]:
     return meta if isinstance(meta, dict) else {}
 
 
+def hf_model_folder(folder: str | os.PathLike) -> str | None:
+    """What a Hugging Face model folder given where a GGUF or a run goes is ("a Hugging Face
+    model folder (config.json and model.safetensors, ...)"), None for any other path."""
+    from toymlx.bundle.events import EVENTS_FILE
+
+    folder = Path(folder)
+    if (folder.is_dir() and (folder / "config.json").is_file()
+            and not (folder / EVENTS_FILE).is_file() and not (folder / "weights").exists()
+            and (st := sorted(p.name for p in folder.glob("*.safetensors")))):
+        # mlx-lm's --model (an mlx-community conversion, a transformers checkpoint): its
+        # config.json made it look like a run that had written no checkpoint yet
+        return (f"a Hugging Face model folder (config.json and {shortlist(st, 2)}, as mlx-lm's "
+                "--model takes; toymlx reads that model's GGUF file instead)")
+    return None
+
+
 def not_one_run(folder: str | os.PathLike) -> str | None:
     """What a folder given where one run is read holds instead, and what to name ("a folder of
     2 run bundles (a, b); name one of them, e.g. runs/a"): a runs root or a sweep's folder, or
@@ -455,13 +471,8 @@ def not_one_run(folder: str | os.PathLike) -> str | None:
         return (p / "config.json").is_file() or (p / EVENTS_FILE).is_file()
 
     folder = Path(folder)
-    if (folder.is_dir() and (folder / "config.json").is_file()
-            and not (folder / EVENTS_FILE).is_file() and not (folder / "weights").exists()
-            and (st := sorted(p.name for p in folder.glob("*.safetensors")))):
-        # mlx-lm's --model (an mlx-community conversion, a transformers checkpoint): its
-        # config.json made it look like a run that had written no checkpoint yet
-        return (f"a Hugging Face model folder (config.json and {shortlist(st, 2)}, as mlx-lm's "
-                "--model takes; toymlx reads that model's GGUF file instead)")
+    if hf := hf_model_folder(folder):
+        return hf
     if not folder.is_dir() or bundle(folder):
         return None
     if folder.name == "weights" and bundle(folder.parent):

@@ -423,8 +423,20 @@ def check_model_file(spec: str | os.PathLike, flag: str) -> None:
         return
     if not Path(spec).exists():
         raise ValueError(f"{spec}: {flag}: expected an existing GGUF file, found "
-                         f"{nothing_there(spec)}{hf_name_hint(spec)}")
-    raise ValueError(f"{spec}: {flag}: expected a GGUF file, found {not_a_file(spec)}")
+                         f"{nothing_there(spec)}{hf_name_hint(spec)}{gpt2_hint(spec, flag)}")
+    # a Hugging Face model folder is named as --base and --model name it, not "a directory"
+    raise ValueError(f"{spec}: {flag}: expected a GGUF file, found "
+                     f"{ck.hf_model_folder(spec) or not_a_file(spec)}")
+
+
+def gpt2_hint(spec: str | os.PathLike, flag: str) -> str:
+    """"; nanoGPT's gpt2 ... is llama.cpp's ggml-vocab-gpt-2.gguf" where --tokenizer names
+    GPT-2's tokenizer by nanoGPT's name (tiktoken's `gpt2`), else '' (a --donor needs weights,
+    which a vocab-only file lacks)."""
+    if flag != "--tokenizer" or str(spec).lower() not in ("gpt2", "gpt-2", "r50k_base"):
+        return ""
+    return ("; nanoGPT's gpt2 (tiktoken's) is in llama.cpp's vocab-only "
+            "models/ggml-vocab-gpt-2.gguf: --tokenizer ggml-vocab-gpt-2.gguf")
 
 
 def refuse_run_folder(spec: str | os.PathLike, flag: str) -> None:

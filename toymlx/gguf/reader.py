@@ -41,6 +41,10 @@ def not_gguf_kind(head: bytes, size: int) -> str:
     if 2 <= n <= size - 8 and head[8:9] == b"{":
         return (": Hugging Face safetensors weights; llama.cpp's convert_hf_to_gguf.py makes "
                 "a GGUF of the model's folder")
+    if head.lstrip().startswith(b"{") and b'"added_tokens"' in head:
+        # the `tokenizers` library writes this key fourth, after version, truncation, padding
+        return (": a Hugging Face tokenizer.json; llama.cpp's convert_hf_to_gguf.py makes a "
+                "GGUF of the model's folder (--vocab-only: its tokenizer alone)")
     try:
         head.decode("utf-8")
     except UnicodeDecodeError as e:  # a character cut by the end of `head` is still text
