@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
                         "default report.png")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --out file (without it, an existing one is "
-                        "refused)")
+                        "refused, unless it is a report toymlx-report drew)")
     p.add_argument("--version", action=VersionAction)
     p.epilog = CONFIG_HELP
     return p
@@ -56,8 +56,9 @@ def _main(p: argparse.ArgumentParser, argv: list[str] | None) -> int:
                              f"here (toymlx-report alone reports it), found nothing at that "
                              f"path; name the runs: toymlx-report RUN_OR_SWEEP_DIR ...")
         dirs = report.expand_dirs(args.dirs or [DEFAULT_DIR])
-        # a new file beside the runs, never inside one; an existing one only with --overwrite
-        check_output(args.out, [], overwrite=args.overwrite)
+        # a new file beside the runs, never inside one; an existing one only with --overwrite,
+        # or where it is a report this command drew (drawn again, as its runs went on)
+        check_output(args.out, [], overwrite=args.overwrite or report.is_report(args.out))
         report.check_report_name(args.out)  # before the work, not after the table
         rows = report.sort_rows(recorded_states(report.summarize(dirs)))
         params = report.add_params(rows)

@@ -4,6 +4,7 @@ sweep drawn to PNG and HTML."""
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -505,3 +506,42 @@ def test_a_run_training_now_is_running_not_torn(tmp_path):
         lock.release()
     (row,) = report.summarize([run])
     assert (row["status"], row["step"]) == ("torn", 3)
+
+
+def test_a_report_it_drew_is_drawn_again_and_any_other_file_refused(tmp_path, capsys,
+                                                                    monkeypatch):
+    """`toymlx-report` run twice as the runs went on refused its own report.png ("expected a
+    new file"), printing no table: the report it drew (marked `toymlx-report` in the PNG's
+    Software chunk, the HTML's generator tag) is drawn afresh; a file it did not draw under
+    that name is still refused, kept byte for byte."""
+    pytest.importorskip("matplotlib", reason="the report extra: pip install 'toymlx[report]'")
+    from toymlx.runner.report import is_report
+
+    monkeypatch.chdir(tmp_path)
+    _bundle(tmp_path / "runs" / "a", [[("run_start", {"recipe": "from-scratch",
+                                                       "config": {"steps": 3}}), *_steps(1, 3)]])
+    for out in ("report.png", "r.html"):
+        assert report_main(["--out", out]) == 0
+        first = (tmp_path / out).read_bytes()
+        assert is_report(out)
+        _bundle(tmp_path / "runs" / "b", [[("run_start", {"recipe": "from-scratch",
+                                                           "config": {"steps": 3}}),
+                                           *_steps(1, 3)]])
+        capsys.readouterr()
+        assert report_main(["--out", out]) == 0  # the same command, a run later
+        o = capsys.readouterr()
+        assert [line.split()[0] for line in o.out.splitlines()[2:]] == ["a", "b"]
+        assert o.err == f"toymlx-report: wrote {out}\n"
+        assert (tmp_path / out).read_bytes() != first and is_report(out)
+        shutil.rmtree(tmp_path / "runs" / "b")
+    mine = b"\x89PNG\r\n\x1a\n my own plot, its Software chunk matplotlib's"
+    (tmp_path / "mine.png").write_bytes(mine)
+    (tmp_path / "mine.html").write_text("<html><meta name='generator' content='other'>")
+    for out in ("mine.png", "mine.html"):
+        kept = (tmp_path / out).read_bytes()
+        assert not is_report(out)
+        assert report_main(["--out", out]) == 2
+        assert capsys.readouterr().err == (
+            f"toymlx-report: error: {out}: --out: expected a new file, found an existing file; "
+            "pass --overwrite to replace it, or choose another --out\n")
+        assert (tmp_path / out).read_bytes() == kept

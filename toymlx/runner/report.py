@@ -526,6 +526,25 @@ def figure(rows: list[dict[str, Any]], params: list[str], table: bool = True):
     return fig
 
 
+REPORT_MARK = "toymlx-report"
+"""What a report this module draws says wrote it: the PNG's `Software` text chunk, the HTML's
+generator meta tag. `toymlx-report` run again replaces a file so marked (its curves drawn
+afresh, as TensorBoard's are) and refuses any other file of that name without --overwrite."""
+HTML_MARK = f"<meta name='generator' content='{REPORT_MARK}'>"
+
+
+def is_report(path: str | os.PathLike) -> bool:
+    """Whether `path` is a regular file `render` wrote (it bears `REPORT_MARK`): the PNG's text
+    chunks come before its image data, the HTML's meta tag in its head, both in the first KiB."""
+    path = Path(path)
+    if not path.is_file():  # missing, a folder, a FIFO (never opened: it could block)
+        return False
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    return (head.startswith(b"\x89PNG") and b"tEXtSoftware\x00" + REPORT_MARK.encode() in head
+            or HTML_MARK.encode() in head)
+
+
 def check_report_name(out: str | os.PathLike) -> Path:
     """`out` as a Path; ValueError unless it names a .png or .html file (what `render` draws),
     so a command checks it before summarizing anything."""
@@ -552,7 +571,8 @@ def render(run_dirs: Sequence[str | os.PathLike], out: str | os.PathLike,
         fig = figure(rows, params, table=True)
         try:
             with atomic.atomic_open(out) as f:
-                fig.savefig(f, format="png", bbox_inches="tight")
+                fig.savefig(f, format="png", bbox_inches="tight",
+                            metadata={"Software": REPORT_MARK})
         finally:
             plt.close(fig)
         return out
@@ -573,7 +593,8 @@ def _html(rows: list[dict[str, Any]], params: list[str], png_b64: str) -> str:
         title = html.escape(r.get("message") or r["path"], quote=True)
         body += f'<tr title="{title}">{tds}</tr>\n'
     return (
-        "<!doctype html>\n<html><head><meta charset='utf-8'><title>toymlx report</title>\n"
+        "<!doctype html>\n<html><head><meta charset='utf-8'>"
+        f"{HTML_MARK}<title>toymlx report</title>\n"
         "<style>body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;"
         "font-size:13px}th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}"
         "th{background:#eee}img{max-width:100%}</style></head><body>\n"
