@@ -191,6 +191,7 @@ def export_mlx_lm(args: Args) -> int:
     base = checkpoint_file(args.base, "--base", check_digest=False)
     out = check_output(args.out, [("--base", args.base), ("--base", base),
                                   ("--adapter", args.adapter)], overwrite=args.overwrite)
+    gguf_name(out)
     base = checkpoint_file(args.base, "--base")  # an Ollama blob's SHA-256: the whole base read
     t0 = time.perf_counter()
     with (output_folder(out.parent),  # the folders --out needs, removed again if it fails
@@ -266,6 +267,7 @@ def run(args: Args) -> int:
     out = check_output(args.out, [("--base", base_spec), ("--base", base),
                                   ("--adapter", args.adapter), ("--adapter", adapter)],
                        overwrite=args.overwrite)
+    gguf_name(out)
     if args.exact_size and (not args.fuse or args.dtype):
         raise ValueError("--exact-size: expected with --fuse and without --dtype (it writes the "
                          f"base's own types), found {'--dtype' if args.dtype else 'no --fuse'}")
@@ -325,6 +327,16 @@ def run(args: Args) -> int:
         print(f"{PROG}: {heldout_note(base, args.adapter, out, args.dtype, args.held_out)}",
               file=sys.stderr)
     return 0
+
+
+def gguf_name(out: Path) -> None:
+    """ValueError unless the GGUF `out` is to be is named *.gguf: LM Studio lists only such
+    files, and a `lm.txt` or `model` written as a GGUF would be mistaken for what it is not."""
+    if out.suffix.lower() != ".gguf":
+        raise ValueError(f"{out}: --out: expected a .gguf file name (the GGUF it writes; LM "
+                         f"Studio and llama.cpp's tools name them so), found "
+                         f"{repr(out.suffix) if out.suffix else 'no suffix'}; use --out "
+                         f"{out.with_name(out.stem + '.gguf') if out.suffix else str(out) + '.gguf'}")
 
 
 def moved_base_note(base: str, adapter: str) -> str | None:

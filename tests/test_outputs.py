@@ -457,3 +457,23 @@ def test_an_input_folder_named_as_the_output_is_called_a_folder(tmp_path):
     assert str(e.value) == (f"{data}: --out-dir: expected a new folder, found the --data.path "
                             f"folder {data} itself (the same folder); writing it would destroy "
                             "the input: choose another --out-dir")
+
+
+def test_a_gguf_written_under_another_suffix_is_refused_naming_the_gguf_name(made, capsys,
+                                                                          monkeypatch):
+    """`toymlx-export --out lm.txt` wrote a GGUF named lm.txt without a word (LM Studio lists
+    only *.gguf; a `model` without a suffix is not found either): refused before writing,
+    naming the .gguf name to use."""
+    monkeypatch.chdir(made)
+    cases = [(["--adapter", "runs/r1", "--out", "lm.txt"], "'.txt'", "lm.gguf"),
+             (["--adapter", "runs/r1", "--fuse", "--out", "out/model"], "no suffix",
+              "out/model.gguf"),
+             (["--base", "base.gguf", "--dtype", "q8_0", "--out", "m.GGUF.bin"], "'.bin'",
+              "m.GGUF.gguf")]
+    for argv, found, fix in cases:
+        line = refused(capsys, made, "toymlx-export", _export, argv)
+        assert line == (f"toymlx-export: error: {argv[-1]}: --out: expected a .gguf file name "
+                        f"(the GGUF it writes; LM Studio and llama.cpp's tools name them so), "
+                        f"found {found}; use --out {fix}")
+        assert not Path(argv[-1]).exists() and not (made / "out").exists()
+    assert _export(["--adapter", "runs/r1", "--out", "LM.GGUF"]) == 0  # any case of .gguf
