@@ -732,7 +732,7 @@ def evaluate_chat(args: Args, cfg: Any, rows: RunRows | None = None) -> dict:
 
     from toymlx.backend.device import on_gpu
     from toymlx.backend.files import counted
-    from toymlx.data.chat import mask_prompt_on_text, row_keys
+    from toymlx.data.chat import chat_flags_on_text, row_keys
     from toymlx.generation.generate import load_for_generation, used_files
     from toymlx.gguf.llama import frozen_weights
     from toymlx.models.ops import scoring_ops
@@ -741,8 +741,8 @@ def evaluate_chat(args: Args, cfg: Any, rows: RunRows | None = None) -> dict:
     data = getattr(cfg, "data", None)
     path = args.data_path or getattr(data, "path", None)
     if mask_flag(args) and path:  # given, before the model loads: text rows mask nothing
-        mask_prompt_on_text(path, row_keys(getattr(data, "keys", ())),
-                            ("test",) if split == "test" else ("train", "valid"), "is scored")
+        chat_flags_on_text(path, ("--data.mask-prompt",), row_keys(getattr(data, "keys", ())),
+                           ("test",) if split == "test" else ("train", "valid"), "is scored")
     model, tok = load_for_generation(args.model, weights=frozen_weights(on_gpu()),
                                      ops=scoring_ops(on_gpu()))
     if args.seq_len is not None:

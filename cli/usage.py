@@ -476,16 +476,18 @@ def flag_hint(flag: str, flags: dict[str, bool], prog: str) -> str | None:
     Hugging Face's only where it takes a --base. A peer's flag whose counterpart `prog` lacks
     (another recipe's or command's: vit-tiny has no --seq-len, from-scratch no image flag) is
     named as that option, not matched by spelling (block_size: --batch-size, --drop-path:
-    --stop-at)."""
+    --stop-at). `flag` may be a config file's key (`lora_scale`): the peers' flags are looked up
+    as the flag it spells (--lora-scale)."""
     name = flag.lstrip("-").replace("-", "_")  # nanoGPT's `--NAME=VALUE`, hyphens taken too
+    spelt = flag if flag.startswith("-") else "--" + name.replace("_", "-")
     # mlx_lm.lora's flags where a --base is fine-tuned, mlx_lm.fuse's and generate's where a
     # command stands in for them (`--iters` as `iters`)
     if ("base" in flags or prog in MLX_LM_COMMAND_KEYS) and (said := mlx_lm_hint(flag, prog)):
         return said
     images = "data.image_size" in flags  # vit-tiny's option: the command trains images
-    tables = ((RECIPE_FLAGS, flag), (LLAMA_CPP_FLAGS, flag), (LAUNCHER_FLAGS, flag),
-              (OPTIMIZER_FLAGS, flag),
-              *(((TIMM_FLAGS, flag),) if images else ()),
+    tables = ((RECIPE_FLAGS, spelt), (LLAMA_CPP_FLAGS, spelt), (LAUNCHER_FLAGS, spelt),
+              (OPTIMIZER_FLAGS, spelt),
+              *(((TIMM_FLAGS, spelt),) if images else ()),
               *(((HF_FLAGS, name),) if "base" in flags else ()), (NANOGPT_FLAGS, name))
     for table, key in tables:
         if said := peer_hint(table, key, flags):

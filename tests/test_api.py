@@ -484,6 +484,39 @@ def test_the_commands_flags_are_told_as_the_keywords_train_takes():
     assert option_flags({"from_step": "step_0"}) == ["--from", "step_0"]
 
 
+def test_another_tool_s_flag_a_hint_names_is_kept_as_that_tool_spells_it(tmp_path):
+    """A hint naming llama.cpp's --lora-scaled (timm's --drop-path, HF Trainer's --optim,
+    torchrun's --nproc-per-node) said it as train's keyword where the call gave that name
+    (`llama.cpp's lora_scaled=FILE S`): only toymlx's own flags are keywords. Every peer's flag
+    of the usage tables is kept, given as a keyword or not."""
+    from toymlx_cli.usage import LAUNCHER_FLAGS, LLAMA_CPP_FLAGS, OPTIMIZER_FLAGS, TIMM_FLAGS
+
+    import toymlx
+
+    with pytest.raises(toymlx.OptionError) as caught:
+        toymlx.train("lora", lora_scaled=0.5, runs_root=str(tmp_path), echo=False)
+    assert str(caught.value) == (
+        'toymlx-train: error: lora_scaled: expected an option of toymlx.train("lora"), got an '
+        "unknown one; llama.cpp's --lora-scaled FILE S and mlx-lm's LoRA scale are the "
+        'adapters\' scale, here lora={"alpha": ...} / lora={"rank": ...} (scale 20 at rank 8: '
+        'lora={"alpha": 160}); lora={"init_adapter": FILE} starts them from a file')
+    kept = 0
+    for table in (LLAMA_CPP_FLAGS, TIMM_FLAGS, OPTIMIZER_FLAGS, LAUNCHER_FLAGS):
+        for flag, pairs in table.items():
+            for _, text in pairs:
+                if f"'s {flag} " not in text:  # a text naming toymlx's options alone
+                    continue
+                for recipe in ("lora", "vit-tiny"):
+                    told = keyword_message(text, {flag.lstrip("-").replace("-", "_"): 1},
+                                           [recipe])
+                    assert f"'s {flag} " in told, (flag, recipe, told)
+                    kept += 1
+    assert kept == 2 * 44  # the texts naming a peer's flag, each under both recipes
+    # toymlx's own flags beside them are still keywords
+    assert keyword_message("llama.cpp's --ctx-size is --seq-len here", {"ctx_size": 1},
+                           ["lora"]) == "llama.cpp's --ctx-size is seq_len here"
+
+
 def test_refusals_and_resume_are_told_in_keywords_and_resume_needs_no_recipe(tmp_path):
     """The command's refusals, raised by `train`, name the keywords a Python user types
     (`resume="runs/x"`, `overwrite=True`), not the flags (`pass --resume runs/x`); a resumed run

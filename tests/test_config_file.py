@@ -528,6 +528,26 @@ def test_a_nanogpt_key_in_a_file_is_named_as_its_flag_is(tmp_path, capsys, recip
                                   f"key; {hint}")
 
 
+@pytest.mark.parametrize("text,key,hint", [
+    *((text, key, ("llama.cpp's --lora-scaled FILE S and mlx-lm's LoRA scale are the adapters' "
+                   "scale, here --lora.alpha / --lora.rank (scale 20 at rank 8: --lora.alpha "
+                   "160); --lora.init-adapter FILE starts them from a file"))
+      for text, key in (("lora_scale: 20\n", "lora_scale"), ("lora-scale: 20\n", "lora_scale"),
+                        ('{"lora_scaled": 20}', "lora_scaled"))),
+    ("ctx_size: 512\n", "ctx_size", "llama.cpp's --ctx-size is --seq-len here"),
+])
+def test_another_tool_s_flag_as_a_key_is_named_as_the_flag_is(tmp_path, capsys, text, key, hint):
+    """A file's key spelling another tool's flag (`lora_scale`, `ctx_size`) was matched by
+    spelling ("did you mean --lr-schedule?", "--batch-size?"); now the hint the flag gets on the
+    command line (`usage.flag_hint`)."""
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    assert main(["--recipe", "lora", "-c", str(p), "--runs-root", str(tmp_path)]) == 2
+    assert error_line(capsys) == (f"toymlx-train: error: {p}: key {key!r}: expected an option "
+                                  "of toymlx-train --recipe lora, found an unknown key; "
+                                  f"{hint}")
+
+
 @pytest.mark.parametrize("recipe,text,hint", [
     ("vit-tiny", "model: {n_layerz: 3}\n", ("key 'model.n_layerz': expected an option of "
      "toymlx-train --recipe vit-tiny, found an unknown key; did you mean --model.n-layers?")),

@@ -158,11 +158,15 @@ def test_llama_cpp_s_tensor_names_are_named_as_toymlx_s(tiny_gguf, tmp_path, cap
 @pytest.mark.parametrize("targets,said", [
     ("ffn_up", "gate_up"),
     ("attn_qkv,attn_output,ffn_up,ffn_down", "qkv,o,gate_up,down"),
+    ("attn_q,attn_v", "qkv"),
+    ("attn_q,attn_k,attn_v,attn_output,ffn_gate,ffn_up,ffn_down", "qkv,o,gate_up,down"),
+    ("ffn_gate", "gate_up"),
 ])
 def test_llama_cpp_s_tensor_names_on_phi3_are_named_as_phi3_s(tmp_path, capsys, targets, said):
     """phi3's `ffn_up` is its fused gate-and-up projection: the hint said `up`, which phi3 has
-    not (the base check then refused it, naming gate_up). The hint names phi3's own targets,
-    and the list it says trains."""
+    not (the base check then refused it, naming gate_up); other files' `attn_q`, `attn_k`,
+    `attn_v` and `ffn_gate` were said as q, k, v and gate, which phi3 holds in its fused qkv
+    and gate_up. The hint names phi3's own targets, and the list it says trains."""
     from arch_files import arch_gguf
 
     phi3 = arch_gguf("phi3", tmp_path / "phi3.gguf")

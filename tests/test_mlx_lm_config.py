@@ -1242,6 +1242,52 @@ def test_data_mask_prompt_given_on_text_rows_is_refused_by_train_eval_and_sweep(
     assert not (tmp_path / "s").exists()
 
 
+def test_data_train_turns_given_on_text_rows_is_refused_by_train_and_sweep(tmp_path, base,
+                                                                            capsys):
+    """--data.train-turns given on a folder of {"text": ...} rows was taken and picked no turn
+    (every token trained); refused as --data.mask-prompt is there, in one line naming the file:
+    by toymlx-train (a flag, or a toymlx config file's key) and toymlx-sweep's pre-check. Not
+    given (its default; an mlx-lm file's mask_prompt: false, which fixes it at last), the run
+    still trains; toymlx-eval takes no --data.train-turns (a run's own)."""
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.sweep import main as sweep_main
+
+    root = _text_folder(tmp_path / "text")
+    runs = tmp_path / "runs"
+    flags = ["--recipe", "lora", "--base", str(base), "--data.path", str(root), "--steps", "1",
+             "--batch-size", "2", "--seq-len", "32", "--no-progress", "--no-compile",
+             "--runs-root", str(runs)]
+    no_turns = ("--data.train-turns: expected messages rows (the turns it picks from), found "
+                f"{{'text': ...}} rows in {root / 'train.jsonl'} (no turns to pick: every token "
+                "trains); drop --data.train-turns")
+    for given in (["--data.train-turns", "last"], ["--data.train-turns=assistant"],
+                  ["--data.no-mask-prompt", "--data.train_turns", "last"]):
+        assert main([*flags, "--run-id", "given", *given]) == 2
+        assert error_line(capsys) == f"toymlx-train: error: {no_turns}"
+    toymlx_file = tmp_path / "t.yaml"
+    toymlx_file.write_text(yaml.safe_dump({"recipe": "lora", "data": {"train_turns": "last"}}))
+    assert main(["-c", str(toymlx_file), *flags[2:], "--run-id", "file"]) == 2
+    assert error_line(capsys) == (f"toymlx-train: error: {toymlx_file}: key "
+                                  f"'data: {{train_turns}}': {no_turns.partition(': ')[2]}")
+    assert not runs.exists()
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(root), "iters": 1,
+                                    "batch_size": 2, "num_layers": 1, "max_seq_length": 64}))
+    assert main(["-c", str(path), "--runs-root", str(runs), "--run-id", "mlx-lm",
+                 "--no-progress", "--no-compile"]) == 0
+    assert sweep_main(["-c", str(path), "--grid", "lr=1e-4,3e-4", "--runs-root",
+                       str(tmp_path / "s"), "--sweep-id", "m", "--no-progress", "--no-report",
+                       "--", "--data.train-turns", "last"]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        f"toymlx-sweep: error: run lr=0.0001: {no_turns}; no run was started")
+    assert not (tmp_path / "s").exists()
+    assert eval_main(["--model", str(base), "--data.path", str(root), "--data.train-turns",
+                      "last"]) == 2
+    assert error_line(capsys, "toymlx-eval") == (
+        "toymlx-eval: error: --data.train-turns: expected an option of toymlx-eval, got an "
+        "unknown one")
+
+
 def test_the_mask_prompt_check_reads_train_jsonl_s_first_example_only(tmp_path, base, chats,
                                                                       monkeypatch):
     """The check that mask_prompt: true has no text data read all of train.jsonl, and the

@@ -48,7 +48,7 @@ import json
 import math
 import os
 import shlex
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -76,6 +76,7 @@ __all__ = [
     "Fit",
     "SFTData",
     "SplitExamples",
+    "chat_flags_on_text",
     "data_files",
     "empty_split_error",
     "first_kind",
@@ -83,7 +84,6 @@ __all__ = [
     "fitted_rows",
     "fitted_width",
     "load_examples",
-    "mask_prompt_on_text",
     "pack_or_pad",
     "sft_batch",
     "sft_val_batches",
@@ -689,17 +689,29 @@ def text_rows_file(path: str | Path, keys: Mapping[str, str] | None = None,
         return None
 
 
-def mask_prompt_on_text(path: str | Path, keys: Mapping[str, str] | None = None,
-                        splits: Sequence[str] = ("train", "valid"), scored: str = "trains"
-                        ) -> None:
-    """DataError (one line) for --data.mask-prompt given on text data (`text_rows_file`), where
-    it masks nothing and every token `scored` (trains, is scored): mlx-lm refuses it; toymlx
-    took it without a word."""
-    if (f := text_rows_file(path, keys, splits)) is not None:
-        raise DataError(f"--data.mask-prompt: expected prompt and completion or messages rows "
-                        f"(a prompt to mask), found {{'text': ...}} rows in {f} (nothing to "
-                        f"mask: every token {scored}; mlx-lm refuses prompt masking on a text "
-                        "dataset); drop --data.mask-prompt")
+_ON_TEXT: dict[str, tuple[str, str]] = {
+    "--data.mask-prompt": ("prompt and completion or messages rows (a prompt to mask)",
+                           ("nothing to mask: every token {scored}; mlx-lm refuses prompt "
+                            "masking on a text dataset")),
+    "--data.train-turns": ("messages rows (the turns it picks from)",
+                           "no turns to pick: every token {scored}")}
+"""The flags that shape chat rows and mean nothing on text rows -> (the rows they expect, what
+text rows make of them)."""
+
+
+def chat_flags_on_text(path: str | Path, flags: Collection[str],
+                       keys: Mapping[str, str] | None = None,
+                       splits: Sequence[str] = ("train", "valid"), scored: str = "trains"
+                       ) -> None:
+    """DataError (one line) for the first of `flags` (those given) that is `_ON_TEXT`'s, on text
+    data (`text_rows_file`), where --data.mask-prompt masks nothing and --data.train-turns picks
+    no turn, every token `scored` (trains, is scored): mlx-lm refuses the first; toymlx took
+    both without a word."""
+    flag = next((f for f in _ON_TEXT if f in flags), None)
+    if flag is not None and (f := text_rows_file(path, keys, splits)) is not None:
+        want, found = _ON_TEXT[flag]
+        raise DataError(f"{flag}: expected {want}, found {{'text': ...}} rows in {f} "
+                        f"({found.format(scored=scored)}); drop {flag}")
 
 
 def _first_kind_in(text: str, path: Path, keys: Mapping[str, str] | None = None

@@ -42,7 +42,7 @@ from toymlx.models.layers import (
     submodule,
 )
 from toymlx.models.llama import Llama, LlamaArgs
-from toymlx.models.lora import TARGET_OF
+from toymlx.models.lora import FUSED, TARGET_OF
 from toymlx.models.moe import BlockExperts
 from toymlx.models.ops import DTYPES, EXACT, Ops
 
@@ -222,14 +222,20 @@ def gguf_targets(arch: str | None = None) -> dict[str, str]:
     """A block tensor's name in a GGUF of `arch` (`attn_q`, `ffn_down_exps`), as llama.cpp's
     adapters name what they adapt, -> its --lora.targets name (`parse_targets` says a list of
     them in toymlx's): phi3's `ffn_up` is its fused gate_up (`gguf_to_toy`), not the up that
-    phi3 lacks; None: an architecture not known (another's `ffn_up` is up)."""
-    fused = arch in ARCHS and ARCHS[arch].switches.get("fused_gate_up", False)
+    phi3 lacks, and the `attn_q`, `attn_k`, `attn_v` and `ffn_gate` of other architectures'
+    files its fused qkv and gate_up, which hold them (`FUSED`); None: an architecture not known
+    (another's `ffn_up` is up)."""
+    switches = ARCHS[arch].switches if arch in ARCHS else {}
+    # a fused projection's switch is `fused_<its target>` (LlamaArgs.fused_qkv, fused_gate_up)
+    whole = {part: fused for fused, parts in FUSED.items()
+             if switches.get(f"fused_{fused}", False) for part in parts}
     out = {}
     for name in _BLOCK:
-        path = gguf_to_toy(f"blk.0.{name}.weight", fused, arch or "")
+        path = gguf_to_toy(f"blk.0.{name}.weight", switches.get("fused_gate_up", False),
+                           arch or "")
         path = path.removeprefix("layers.0.").removesuffix(".weight")
         if path in TARGET_OF:
-            out[name] = TARGET_OF[path]
+            out[name] = whole.get(TARGET_OF[path], TARGET_OF[path])
     return out
 
 

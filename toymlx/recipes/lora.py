@@ -44,7 +44,7 @@ from toymlx.data import fixture_path
 from toymlx.data.chat import (
     SFTData,
     SplitExamples,
-    mask_prompt_on_text,
+    chat_flags_on_text,
     no_chat_template,
     row_keys,
     split_files_read,
@@ -305,18 +305,20 @@ def check_applies(cfg: Config, given: Collection[str] = ()) -> None:
     """A new run's options checked for ones set where they do not apply: --lora.* with
     --fine-tune-type full (no adapters are trained), --full.* with lora or dora; ValueError
     naming the first; and --lr-schedule-args, --warmup-init and --min-lr-ratio where the
-    --lr-schedule does not read them (each was taken and ignored), and --data.mask-prompt
-    given on text rows (`mask_prompt_on_text`). Set: other than its default, or among `given`,
-    the command line's flags (`--lora.targets q`, the default, given)."""
+    --lr-schedule does not read them (each was taken and ignored), and --data.mask-prompt or
+    --data.train-turns given on text rows (`chat_flags_on_text`). Set: other than its default,
+    or among `given`, the command line's flags (`--lora.targets q`, the default, given)."""
     flags = {f.partition("=")[0].replace("_", "-") for f in given}
 
     def is_set(flag: str, value: Any, default: Any) -> bool:
         return value != default or flag in flags
 
-    # toymlx's default, so refused only where given: text rows have no prompt to mask
-    if cfg.data.mask_prompt and "--data.mask-prompt" in flags and cfg.data.path:
-        mask_prompt_on_text(cfg.data.path, row_keys(cfg.data.keys),
-                            ("train", "valid", "test") if cfg.test else ("train", "valid"))
+    # toymlx's defaults, so refused only where given: text rows have no prompt to mask and no
+    # turns to pick (a file's `mask_prompt: false` is a given --data.mask-prompt too)
+    chat = flags - ({"--data.mask-prompt"} if not cfg.data.mask_prompt else set())
+    if cfg.data.path:
+        chat_flags_on_text(cfg.data.path, chat, row_keys(cfg.data.keys),
+                           ("train", "valid", "test") if cfg.test else ("train", "valid"))
     cosine = cfg.lr_schedule == "warmup-cosine"
     if cosine and cfg.lr_schedule_args:  # constant's: refused by `schedule`
         raise ValueError(f"--lr-schedule-args: expected none with --lr-schedule warmup-cosine "

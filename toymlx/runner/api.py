@@ -156,7 +156,12 @@ _COMMAND = re.compile(r"(?<![\w./-])(toymlx-[a-z]+|llama-[a-z-]+|mlx-lm's|mlx_lm
 """A command line quoted in a message: toymlx-train's is a call of `train`; another's, up to
 the end of its clause, is left as it is (toymlx-export --base is not train's base=)."""
 _FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9._-]*[a-z0-9]")
-_TOKEN = re.compile(f"{_COMMAND.pattern}|{_FLAG.pattern}")
+_PEER_FLAG = re.compile(r"(?<![\w./-])((?:llama\.cpp|timm|mlx_lm\.lora|HF Trainer|torchrun|"
+                        rf"accelerate launch)'s {_FLAG.pattern})")
+"""Another tool's flag as a hint names it (`llama.cpp's --lora-scaled FILE S`, the peers of
+cli/usage.py's PeerFlags tables): its own, kept as it is though toymlx has a flag so spelt (or
+the call gave that keyword: `lora_scaled=`)."""
+_TOKEN = re.compile(f"{_COMMAND.pattern}|{_PEER_FLAG.pattern}|{_FLAG.pattern}")
 _CLAUSE_END = re.compile(r"[;)`]|[.,:](?=\s|$)|$")
 _VALUE_END = ".,;:)`'\""
 
@@ -169,7 +174,8 @@ def keyword_message(message: str, options: dict[str, Any],
     its keyword (`seq_len:`), `toymlx-train --resume R --from step_0` the call
     `toymlx.train(resume="R", from_step="step_0")`. Only the flags of the `recipes` (all of them
     where none is known) and those `options` gave are translated; another command's, quoted
-    (`toymlx-export --base B`, mlx-lm's --iters), are its own."""
+    (`toymlx-export --base B`, mlx-lm's --iters), and another tool's flag named as its
+    (`_PEER_FLAG`: llama.cpp's --lora-scaled) are its own."""
     kinds = _flag_kinds(recipes, options)
     message = message.replace("-c/--config", "--config")  # the file is train's config=
     values = sorted({str(v) for v in _leaves(options) if isinstance(v, (str, os.PathLike))},
@@ -194,6 +200,8 @@ def keyword_message(message: str, options: dict[str, Any],
         elif m.group(1):  # another command: its clause as it is
             end += _CLAUSE_END.search(message[end:]).start()
             out.append(message[start:end])
+        elif m.group(2):  # another tool's flag
+            out.append(m.group(2))
         elif m.group(0) in kinds:
             flag, value, end = _flag_value(message, end, m.group(0), kinds, values)
             out.append(_keyword(flag, value, kinds))
