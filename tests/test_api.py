@@ -670,6 +670,21 @@ def test_the_commands_notes_are_told_in_the_keywords_train_takes(tmp_path, capsy
         err.splitlines()
     assert "--warmup" not in out
     # an mlx-lm config (mlx_lm.lora -c's) whose adapter_path the run's own folder replaces
+    config = _mlx_lm_config(tmp_path, iters=1, batch_size=2, max_seq_length=32,
+                            adapter_path="adapters", num_layers=1)
+    toymlx.train(config=str(config), runs_root=str(tmp_path), run_id="m", compile=False)
+    assert main(["-c", str(config), "--runs-root", str(tmp_path), "--run-id", "m2",
+                 "--no-compile"]) == 0
+    out, err = capsys.readouterr()
+    note = (f"toymlx-train: {config}: key 'adapter_path': not used ({{}}, given, name the run's "
+            "folder)")
+    assert note.format("runs_root and run_id") in out.splitlines()
+    assert note.format("--runs-root and --run-id") in err.splitlines()
+
+
+def _mlx_lm_config(tmp_path: Path, **keys) -> Path:
+    """An mlx-lm lora config file of `keys` (mlx_lm.lora -c's) over a tiny byte-level base
+    b.gguf and a data folder of eight {"text"} rows, written into `tmp_path`."""
     from toymlx.data.tokenizer import byte_tokenizer
     from toymlx.gguf.llama import write_llama
     from toymlx.models.llama import Llama, tiny
@@ -682,17 +697,8 @@ def test_the_commands_notes_are_told_in_the_keywords_train_takes(tmp_path, capsy
         "".join(json.dumps({"text": f"row {i} " * 8}) + "\n" for i in range(8)))
     config = tmp_path / "lora.yaml"
     config.write_text(json.dumps({"model": str(tmp_path / "b.gguf"),
-                                  "data": str(tmp_path / "data"),
-                                  "iters": 1, "batch_size": 2, "max_seq_length": 32,
-                                  "adapter_path": "adapters", "num_layers": 1}))
-    toymlx.train(config=str(config), runs_root=str(tmp_path), run_id="m", compile=False)
-    assert main(["-c", str(config), "--runs-root", str(tmp_path), "--run-id", "m2",
-                 "--no-compile"]) == 0
-    out, err = capsys.readouterr()
-    note = (f"toymlx-train: {config}: key 'adapter_path': not used ({{}}, given, name the run's "
-            "folder)")
-    assert note.format("runs_root and run_id") in out.splitlines()
-    assert note.format("--runs-root and --run-id") in err.splitlines()
+                                  "data": str(tmp_path / "data"), **keys}))
+    return config
 
 
 def _key_table(text: str) -> dict[str, tuple[str, str, str]]:
@@ -720,22 +726,10 @@ def test_an_mlx_lm_files_key_table_names_the_keywords_train_takes(tmp_path, caps
     from toymlx_cli.train import main
 
     import toymlx
-    from toymlx.data.tokenizer import byte_tokenizer
-    from toymlx.gguf.llama import write_llama
-    from toymlx.models.llama import Llama, tiny
 
-    write_llama(tmp_path / "b.gguf", Llama(tiny(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
-                                                ffn_dim=48, context=64)),
-                byte_tokenizer().to_metadata())
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "train.jsonl").write_text(
-        "".join(json.dumps({"text": f"row {i} " * 8}) + "\n" for i in range(8)))
-    config = tmp_path / "lora.yaml"
-    config.write_text(json.dumps({"model": str(tmp_path / "b.gguf"),
-                                  "data": str(tmp_path / "data"), "iters": 2, "batch_size": 2,
-                                  "max_seq_length": 32, "num_layers": 1, "val_batches": 1,
-                                  "lora_parameters": {"rank": 4, "scale": 10.0,
-                                                      "dropout": 0.0}}))
+    config = _mlx_lm_config(tmp_path, iters=2, batch_size=2, max_seq_length=32, num_layers=1,
+                            val_batches=1,
+                            lora_parameters={"rank": 4, "scale": 10.0, "dropout": 0.0})
     toymlx.train(config=str(config), runs_root=str(tmp_path), run_id="py", compile=False,
                  steps=1, lora={"rank": 2})
     py = _key_table(capsys.readouterr().out)
