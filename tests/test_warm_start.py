@@ -170,7 +170,8 @@ def test_a_hugging_face_folder_as_donor_or_tokenizer_is_named(tmp_path, text_fil
 
 def test_nanogpts_gpt2_as_tokenizer_names_llama_cpps_file(tmp_path, monkeypatch):
     """--tokenizer gpt2 (nanoGPT's prepare.py takes tiktoken's gpt2; TEXT.md says --tokenizer
-    takes a GGUF's "as nanoGPT takes GPT-2's") said only "found nothing at that path"."""
+    takes a GGUF's "as nanoGPT takes GPT-2's") said only "found nothing at that path", and
+    hf:gpt2 only "not a Hugging Face model name"."""
     from toymlx.recipes import from_scratch as fs
 
     monkeypatch.chdir(tmp_path)
@@ -180,6 +181,15 @@ def test_nanogpts_gpt2_as_tokenizer_names_llama_cpps_file(tmp_path, monkeypatch)
         "gpt2: --tokenizer: expected an existing GGUF file, found nothing at that path; "
         "nanoGPT's gpt2 (tiktoken's) is in llama.cpp's vocab-only models/ggml-vocab-gpt-2.gguf: "
         "--tokenizer ggml-vocab-gpt-2.gguf")
+    # as a Hugging Face name, which needs USER/REPO (and a GGUF repository)
+    from toymlx.bundle.model_store import ModelStoreError, resolve
+
+    with pytest.raises(ModelStoreError) as e:
+        resolve("hf:gpt2", "--tokenizer")
+    assert str(e.value) == (
+        "--tokenizer hf:gpt2: not a Hugging Face model name: expected hf:USER/REPO[:QUANT] or "
+        "hf:USER/REPO/FILE.gguf; nanoGPT's gpt2 (tiktoken's) is in llama.cpp's vocab-only "
+        "models/ggml-vocab-gpt-2.gguf: --tokenizer ggml-vocab-gpt-2.gguf")
 
 
 def test_a_run_folder_as_donor_names_its_checkpoint(tmp_path, text_file):

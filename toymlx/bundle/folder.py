@@ -28,7 +28,7 @@ from toymlx.bundle.inputs import (
     data_files,
     model_files,
 )
-from toymlx.bundle.model_store import hf_name_hint, is_store_name
+from toymlx.bundle.model_store import gpt2_hint, hf_name_hint, is_store_name
 from toymlx.bundle.options import RunError, flag_name, found_text, option
 from toymlx.bundle.reporters import offline_wandb, online_wandb
 
@@ -427,16 +427,6 @@ def check_model_file(spec: str | os.PathLike, flag: str) -> None:
     # a Hugging Face model folder is named as --base and --model name it, not "a directory"
     raise ValueError(f"{spec}: {flag}: expected a GGUF file, found "
                      f"{ck.hf_model_folder(spec) or not_a_file(spec)}")
-
-
-def gpt2_hint(spec: str | os.PathLike, flag: str) -> str:
-    """"; nanoGPT's gpt2 ... is llama.cpp's ggml-vocab-gpt-2.gguf" where --tokenizer names
-    GPT-2's tokenizer by nanoGPT's name (tiktoken's `gpt2`), else '' (a --donor needs weights,
-    which a vocab-only file lacks)."""
-    if flag != "--tokenizer" or str(spec).lower() not in ("gpt2", "gpt-2", "r50k_base"):
-        return ""
-    return ("; nanoGPT's gpt2 (tiktoken's) is in llama.cpp's vocab-only "
-            "models/ggml-vocab-gpt-2.gguf: --tokenizer ggml-vocab-gpt-2.gguf")
 
 
 def refuse_run_folder(spec: str | os.PathLike, flag: str) -> None:

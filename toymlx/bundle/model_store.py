@@ -422,6 +422,16 @@ def is_hf_repo(name: str) -> bool:
     return _HF_REPO.fullmatch(name) is not None and ".." not in name
 
 
+def gpt2_hint(spec: str | os.PathLike, flag: str) -> str:
+    """"; nanoGPT's gpt2 ... is llama.cpp's ggml-vocab-gpt-2.gguf" where --tokenizer names
+    GPT-2's tokenizer by nanoGPT's name (tiktoken's `gpt2`), else '' (a --donor needs weights,
+    which a vocab-only file lacks)."""
+    if flag != "--tokenizer" or str(spec).lower() not in ("gpt2", "gpt-2", "r50k_base"):
+        return ""
+    return ("; nanoGPT's gpt2 (tiktoken's) is in llama.cpp's vocab-only "
+            "models/ggml-vocab-gpt-2.gguf: --tokenizer ggml-vocab-gpt-2.gguf")
+
+
 def hf_name_hint(spec: str | os.PathLike) -> str:
     """"; did you mean hf:USER/REPO?" for a model option that names nothing at a path spelt as a
     Hugging Face repository (mlx-lm's --model habit): one '/', no .gguf suffix, no folder of its
@@ -581,7 +591,8 @@ def _resolve_hf(spec: str, flag: str) -> Resolved:
     try:
         repo, revision, quant, file = parse_hf_name(spec[len(HF):])
     except ValueError as e:
-        raise ModelStoreError(f"{flag} {spec}: not a Hugging Face model name: {e}") from None
+        raise ModelStoreError(f"{flag} {spec}: not a Hugging Face model name: "
+                              f"{e}{gpt2_hint(spec[len(HF):], flag)}") from None
     why = "HF_HUB_OFFLINE is set" if hf_offline() else hub_unreachable()
     if why is None:  # the Hub's own listing, then huggingface_hub's download (bar, token, cache)
         try:
