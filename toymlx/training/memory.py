@@ -94,11 +94,13 @@ step holds beyond its weights, gradients and moments in some steps and not other
 Measured (session 58, AMD EPYC, 2 cores; MLX's peak of each step alone, `mx.reset_peak_memory`
 before it): the Llama-3.2-1B shape's --full.layers 2 at 1 x 512 --grad-checkpoint, 5 steps of
 the same batch shape on two CPU streams, 2,662, 2,893, 2,662, 2,665, 2,893 MiB: 231.5 MiB
-apart, one block's 60,821,504 values (232.0 MiB); on one stream 2,664-2,785. MLX's count is the
-run's highest, so one such step is the run's peak. Which buffers they are is not pinned down:
-MLX allocates an op's output when it hands the op to a stream's thread and frees its inputs
-when the thread has run it, so what is alive at once depends on how far ahead of the threads
-the step's dispatch runs."""
+apart, one block's 60,821,504 values (232.0 MiB); on one stream 2,664-2,785 in 5 steps, and on
+two with every parameter's update on the first (`cpu_streams`' homes emptied) 2,661-2,789 in 8:
+it comes of the two streams' AdamW updates (`cpu_streams.make_stream_step`) running at once.
+MLX's count is the run's highest, so one such step is the run's peak. Which buffers they are is
+not pinned down: MLX allocates an op's output when it hands the op to a stream's thread and
+frees its inputs when the thread has run it, so what is alive at once depends on how far ahead
+of the threads the step's dispatch runs."""
 HEAD_LOGITS_COPIES = 6
 """float32 copies of a frozen head's slice of logits alive at once in the loss
 (`toymlx.models.losses.frozen_head_cross_entropy`: the logits, their exponentials, the
