@@ -8,7 +8,8 @@ The estimate adds, in bytes:
   tensors at 4 bytes a value (norms).
 - trained: what training adds: each adapter value with its gradient and AdamW's two moments,
   float32 (16 bytes); a full fine-tune's trained values, held in base at 4 bytes a value, their
-  gradients and two moments (12 bytes). A full fine-tune trains the whole base; with
+  gradients and two moments (12 bytes), and one trained block's values once more
+  (`UPDATE_BLOCK_COPIES`). A full fine-tune trains the whole base; with
   --full.layers N, the last N blocks' tensors, the rest held as frozen.
 - activations: what the backward pass keeps per token and per block (`_block_values`,
   `BLOCK_D_VALUES`), times the blocks the gradient runs through: those from the first adapted
@@ -81,12 +82,25 @@ FULL_TRAINED_BYTES = 12
 """Bytes a fully trained value takes beyond its float32 self, which base counts: its gradient
 and AdamW's two moments (`toymlx.training.optimizers`: the update is in place). Measured
 (session 58, AMD EPYC, 2 cores shared; MLX's peak in the steps, MiB): SmolLM2-135M Q4_1's full
-fine-tune at 1 x 256 2,561 (counted now 2,580), --full.layers 2 in blocks 227 (246), as float32
-621 (634), --full.layers 10 in blocks 668 (751). Counted 16 until session 58, the value twice:
-the full 1 x 256 step 3,410 MiB against a peak RSS of 2,834 (20% over; now 2,833). Not yet
-understood: the Llama-3.2-1B shape's --full.layers 2 at 1 x 512 --grad-checkpoint peaked at
-2,649 MiB by MLX's count in step 1 (counted 2,640) and 2,893 from step 2; its estimate, 3,520
-with the value twice, is now 2,992 against a peak RSS of 3,220 (7% under)."""
+fine-tune at 1 x 256 2,561 (counted now 2,594 with `UPDATE_BLOCK_COPIES`' 14), --full.layers 2
+in blocks 227 (259), as float32 621 (648), --full.layers 10 in blocks 668 (765). Counted 16
+until session 58, the value twice: the full 1 x 256 step 3,410 MiB against a peak RSS of 2,834
+(20% over; now 2,847). The Llama-3.2-1B shape's --full.layers 2 at 1 x 512 --grad-checkpoint:
+MLX's peak 2,662 or 2,893 MiB a step (`UPDATE_BLOCK_COPIES`), its estimate 3,520 with the value
+twice, 2,992 without, now 3,224 against a peak RSS of 3,220."""
+UPDATE_BLOCK_COPIES = 1
+"""float32 copies of one fully trained block's values (its largest) that a full fine-tune's
+step holds beyond its weights, gradients and moments in some steps and not others (`trained`).
+Measured (session 58, AMD EPYC, 2 cores; MLX's peak of each step alone, `mx.reset_peak_memory`
+before it): the Llama-3.2-1B shape's --full.layers 2 at 1 x 512 --grad-checkpoint, 5 steps of
+the same batch shape on two CPU streams, 2,662, 2,893, 2,662, 2,665, 2,893 MiB: 231.5 MiB
+apart, one block's 60,821,504 values (232.0 MiB); on one stream 2,664-2,785 in 5 steps, and on
+two with every parameter's update on the first (`cpu_streams`' homes emptied) 2,661-2,789 in 8:
+it comes of the two streams' AdamW updates (`cpu_streams.make_stream_step`) running at once.
+MLX's count is the run's highest, so one such step is the run's peak. Which buffers they are is
+not pinned down: MLX allocates an op's output when it hands the op to a stream's thread and
+frees its inputs when the thread has run it, so what is alive at once depends on how far ahead
+of the threads the step's dispatch runs."""
 HEAD_LOGITS_COPIES = 6
 """float32 copies of a frozen head's slice of logits alive at once in the loss
 (`toymlx.models.losses.frozen_head_cross_entropy`: the logits, their exponentials, the
@@ -313,6 +327,9 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
         per_block = sum(rank * (dims[t][0] + dims[t][1]) + (dims[t][0] if dora else 0)
                         for t in targets)
         base, trained = base_bytes(g, held), per_block * blocks * ADAPTER_TRAINED_BYTES
+    if full:
+        trained += (block_values(g, range(a.n_layers - blocks, a.n_layers)) * 4
+                    * UPDATE_BLOCK_COPIES)
     # a full fine-tune trains every projection: each keeps its input, as an adapter's does
     per_block = (_block_values(a, seq_len, ops, tuple(projection_dims(a)) if full else targets)
                  * tokens * width)
@@ -337,6 +354,12 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
     decoded = max(min(largest, ops.decode_slice or largest) * DECODED_COPIES,
                   experts * EXPERT_DECODED_COPIES) * 4 * streams
     return Estimate(base, trained, acts, logits, decoded, runtime_bytes(a))
+
+
+def block_values(g: GGUFFile, blocks: range) -> int:
+    """The values of the largest of `blocks` (its `blk.N.*` tensors): `UPDATE_BLOCK_COPIES`."""
+    return max((sum(g.tensors[name].n_elements for name in block_tensors(g.tensors, (i,)))
+                for i in blocks), default=0)
 
 
 def runtime_bytes(a: LlamaArgs) -> int:
