@@ -427,10 +427,12 @@ class TokenData:
         return lm_batch(self.train, step, seed, batch_size, seq_len, accum, source=self.source)
 
     def val_batches(
-        self, batch_size: int, seq_len: int, max_batches: int
+        self, batch_size: int, seq_len: int, max_batches: int | None
     ) -> list[dict[str, np.ndarray]]:
-        """`val_batches` over the validation split."""
-        return val_batches(self.val, batch_size, seq_len, max_batches, source=self.source)
+        """`val_batches` over the validation split (the first `max_batches` batches' worth;
+        None: every window, as `test_batches` takes)."""
+        most = max(1, len(self.val)) if max_batches is None else max_batches
+        return val_batches(self.val, batch_size, seq_len, most, source=self.source)
 
     def test_batches(self, batch_size: int, seq_len: int) -> list[dict[str, np.ndarray]]:
         """`val_batches` over every window of the test ids ([] without a test set)."""

@@ -268,9 +268,8 @@ def lm_task(recipe: str, cfg: TrainConfig, seq_len: int, model: Llama, data: Tok
     """A Task training `model` on `data` with next-token cross-entropy."""
     if cfg.batch_size < 1:
         raise ValueError(f"--batch-size: expected >= 1, found {cfg.batch_size}")
-    limit = eval_batch_limit(cfg.eval_batches)  # None: every window, as test_batches takes
-    val = data.val_batches(cfg.batch_size, seq_len,
-                           max(1, len(data.val)) if limit is None else max(limit, 1))
+    limit = eval_batch_limit(cfg.eval_batches)  # None: every window
+    val = data.val_batches(cfg.batch_size, seq_len, limit if limit is None else max(limit, 1))
     test = {"test_source": data.test_source, "test_tokens": int(data.test.size)} \
         if data.test is not None else {}
     return Task(
