@@ -284,7 +284,8 @@ def test_the_runs_notes_are_said_once_each_naming_the_run_up_to_a_cap(tmp_path):
 
     from toymlx.sweeps.live import LiveView, RunNotes, SweptRun
 
-    cut = "toymlx: data/train.jsonl: train: of 80 examples, 3 cut to their first 257 tokens"
+    cut = ("toymlx: data/train.jsonl: train: of 80 examples, 3 cut to their first 257 tokens "
+           "(--seq-len 256)")
     notes = RunNotes(tmp_path / "logs", said=["data: no valid.jsonl: ..."], shown=2)
     assert notes.lines("lr=0.001", [
         "step 2/10: train loss 5.5270, lr 3.000e-04", cut, "toymlx: data: no valid.jsonl: ...",
@@ -298,6 +299,17 @@ def test_the_runs_notes_are_said_once_each_naming_the_run_up_to_a_cap(tmp_path):
         "sweep: lr=0.003: toymlx-train: --warmup 20 ... --lr 0.003",
         f"sweep: more than 2 notes from the runs: the rest are in their logs ({tmp_path / 'logs'})"]
     assert notes.lines("lr=0.01", ["toymlx: another note"]) == []
+    # at the end, which runs said each note shown: a later run's repeat was named nowhere
+    assert notes.lines("lr=0.01", [cut, cut, "toymlx-train: --warmup 20 ... --lr 0.003"]) == []
+    note = cut.removeprefix("toymlx: ")
+    assert notes.said_by(["lr=0.001", "lr=0.003", "lr=0.01"]) == [
+        f"sweep: said by every run started (3): {note[:69]}...",
+        "sweep: said by 2 of the 3 runs started: lr=0.003, lr=0.01: --warmup 20 ... --lr 0.003"]
+    assert notes.said_by(["lr=0.001", "lr=0.003", "lr=0.01", "lr=0.1", "lr=1", "lr=10"],
+                         names=2, width=100) == [
+        f"sweep: said by 3 of the 6 runs started: lr=0.001, lr=0.003, and 1 more: {note}",
+        "sweep: said by 2 of the 6 runs started: lr=0.003, lr=0.01: --warmup 20 ... --lr 0.003"]
+    assert notes.said_by(["lr=0.001"]) == []  # one run: its line named it
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -389,6 +401,10 @@ def test_a_note_a_run_says_in_its_log_is_said_by_the_sweep_once(tmp_path, capsys
     assert len(warmup) == 1 and warmup[0] in (logs / "model.ffn_dim=64.log").read_text()
     assert [x for x in err if x.startswith("sweep: model.ffn_dim=")
             and ": toymlx" in x] == [f"sweep: model.ffn_dim=32: {warmup[0]}"]
+    # and at the end, that both said it
+    note = warmup[0].removeprefix("toymlx-train: ")
+    assert [x for x in err if x.startswith("sweep: said by")] == [
+        f"sweep: said by every run started (2): {note[:69]}..."]
 
 
 def test_failing_run_is_reported_and_the_others_complete(tmp_path, capsys):

@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -77,14 +77,18 @@ def run_note(line: str) -> str | None:
 class RunNotes:
     """The notes runs say in their logs (`run_note`: rows cut at --seq-len, a warm-up longer
     than --steps), for the sweep's console: each distinct one once, naming the first run that
-    said it, up to `shown`, then one line naming `logs`, which hold the rest. During a sweep
-    they reached only the logs, and the user watching it never saw them."""
+    said it, up to `shown`, then one line naming `logs`, which hold the rest; at the sweep's
+    end, which runs said each (`said_by`). During a sweep they reached only the logs, and the
+    user watching it never saw them; then only the first run was named, and a note of one run
+    read as one of all."""
 
     def __init__(self, logs: Path, said: Iterable[str] = (), shown: int = NOTES_SHOWN):
         self.logs, self.shown = logs, shown
         self.said = set(said)
         """The notes said (the sweep's own of the runs' examples, said before any run)"""
         self.count = 0
+        self.by: dict[str, list[str]] = {}
+        """Each note said on the console: the runs that said it, the first first."""
 
     def lines(self, run: str, lines: Iterable[str]) -> list[str]:
         """The console lines for `lines` of run `run`'s log: `sweep: RUN: LINE` for a note not
@@ -92,15 +96,40 @@ class RunNotes:
         out = []
         for line in lines:
             note = run_note(line)
-            if note is None or note in self.said:
+            if note is None:
+                continue
+            if note in self.by:
+                self.by[note] += [run] if run not in self.by[note] else []
+                continue
+            if note in self.said:
                 continue
             self.said.add(note)
             self.count += 1
             if self.count <= self.shown:
+                self.by[note] = [run]
                 out.append(f"sweep: {run}: {line}")
             elif self.count == self.shown + 1:
                 out.append(f"sweep: more than {self.shown} notes from the runs: the rest are in "
                            f"their logs ({self.logs})")
+        return out
+
+    def said_by(self, runs: Sequence[str], names: int = 4, width: int = 72) -> list[str]:
+        """For the sweep's end: a line a note said, naming the runs that said it among `runs`
+        (those this sweep started), `names` at most (`said by 2 of the 3 runs started: lr=0.001,
+        lr=0.003: NOTE`, or `by every run started (3)`), the note cut to `width` characters;
+        none where one run was started (its line named it)."""
+        out = []
+        for note, who in self.by.items():
+            if len(runs) < 2:
+                break
+            if len(who) == len(runs):
+                whom = f"every run started ({len(runs)})"
+            else:
+                more = f", and {len(who) - names} more" if len(who) > names else ""
+                whom = (f"{len(who)} of the {len(runs)} runs started: "
+                        f"{', '.join(who[:names])}{more}")
+            text = note if len(note) <= width else note[:width - 3] + "..."
+            out.append(f"sweep: said by {whom}: {text}")
         return out
 
 

@@ -205,6 +205,8 @@ class _Runner:
                 self.view.update(self.runs)
                 time.sleep(0.25)
             self.view.update(self.runs, force=True)
+            # which runs said each note: the first alone was named, one run's note read as all's
+            self.view.say(self.notes.said_by([r.spec.name for r in self.runs if r.action]))
         finally:
             self._kill([r for r in self.runs if r.state == "running"])  # on an error here
         return requests > 0
