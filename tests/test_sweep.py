@@ -696,6 +696,39 @@ def test_another_grid_under_the_same_id_is_refused_naming_both_grids(tmp_path, c
     assert [r["name"] for r in _sweep_json(root)["runs"]] == ["lr=0.001", "lr=0.003"]
 
 
+def test_a_folder_of_two_grids_mixed_by_an_earlier_toymlx_is_refused_naming_each(tmp_path,
+                                                                                capsys):
+    """An earlier toymlx ran another grid's runs into a sweep folder (`--grid lr=...`, then
+    `--grid model.ffn_dim=...` under one --sweep-id; its sweep.json merged both). Since that is
+    refused, either grid run again there went on all the same, the two still in one table and
+    report. Now either is refused, naming each grid's runs and what to do; nothing written."""
+    from cli_errors import error_line
+
+    from toymlx.sweeps.spec import write_sweep_file
+
+    root = tmp_path / "s"
+    root.mkdir()
+    # what the old toymlx wrote: each start's runs merged into the record
+    write_sweep_file(root, "from-scratch", sweep.grid(
+        TINY, {"lr": [1e-3, 3e-3, 1e-2, 3e-2, 0.1]}, recipe="from-scratch"))
+    write_sweep_file(root, "from-scratch", sweep.grid(
+        TINY, {"model.ffn_dim": [32]}, recipe="from-scratch"))
+    record = (root / "sweep.json").read_bytes()
+    flags = ["--recipe", "from-scratch", "--runs-root", str(tmp_path), "--sweep-id", "s",
+             "--no-progress", "--no-report", *TINY]
+    for grid in ("lr=1e-3,3e-3", "model.ffn_dim=32", "seed=1,2"):
+        capsys.readouterr()
+        assert sweep_main(["--grid", grid, *flags]) == 2
+        assert error_line(capsys, "toymlx-sweep") == (
+            f"toymlx-sweep: error: {root / 'sweep.json'}: expected the runs of one grid, found "
+            "2 grids' runs mixed in one sweep folder by an earlier toymlx (lr: lr=0.001, "
+            "lr=0.003, lr=0.01, lr=0.03, and 1 more; model.ffn_dim: model.ffn_dim=32); give a "
+            "new --sweep-id to run a grid in a folder of its own (the runs here stay as they "
+            f"are: toymlx-report {root} shows them)")
+    assert (root / "sweep.json").read_bytes() == record
+    assert sorted(p.name for p in root.iterdir()) == [".locks", "sweep.json"]  # no run started
+
+
 def _live_states(stream) -> list[str]:
     """The state column of each run's live line (not a terminal: `sweep: RUN  STATE  step`)."""
     return re.findall(r"^sweep: \S+  (.+?)  step ", stream.getvalue(), re.MULTILINE)

@@ -403,14 +403,35 @@ def _grid_changed(runs: Iterable[Mapping[str, Any]], specs: Sequence[RunSpec]) -
             f"{' or '.join(map(_grid_keys, then))} when the sweep started{order})")
 
 
+def _check_one_grid(path: Path, runs: Iterable[Mapping[str, Any]], names: int = 4) -> None:
+    """Refuse a record whose runs are of several grids (keys, or their order), naming each
+    grid's runs and what to do: a toymlx before `_grid_changed` ran another grid's runs into a
+    sweep folder, and either grid, run again there, went on mixed with the other in one table
+    and report."""
+    grids: dict[tuple, list[str]] = {}
+    for r in runs:
+        if isinstance(r.get("params"), dict):
+            grids.setdefault(tuple(r["params"]), []).append(str(r.get("name")))
+    if len(grids) < 2:
+        return
+    said = "; ".join(f"{_grid_keys(keys)}: {', '.join(who[:names])}"
+                     + (f", and {len(who) - names} more" if len(who) > names else "")
+                     for keys, who in grids.items())
+    raise ValueError(f"{path}: expected the runs of one grid, found {len(grids)} grids' runs "
+                     f"mixed in one sweep folder by an earlier toymlx ({said}); give a new "
+                     f"--sweep-id to run a grid in a folder of its own (the runs here stay as "
+                     f"they are: toymlx-report {path.parent} shows them)")
+
+
 def changed_options(sweep_dir: Path, recipe: str, specs: Sequence[RunSpec],
                     run_options: Mapping[str, Any] | None,
                     inputs: Iterable[tuple[str, Any]] = ()) -> list[str]:
-    """What differs from the sweep already in `sweep_dir` (its sweep.json): the recipe, keys of
-    the options every run takes from the config file, the grid's keys (`_grid_changed`), flags
-    of a run of the same name, and an input path (`inputs`, (flag, path) as typed) that names
-    another file than when the sweep started ("FLAG (PATH: FILE here, FILE then)"); [] for a
-    new sweep, or the same one (more values of its keys add runs)."""
+    """What differs from the sweep already in `sweep_dir` (its sweep.json; one whose runs are
+    of several grids is refused: `_check_one_grid`): the recipe, keys of the options every run
+    takes from the config file, the grid's keys (`_grid_changed`), flags of a run of the same
+    name, and an input path (`inputs`, (flag, path) as typed) that names another file than when
+    the sweep started ("FLAG (PATH: FILE here, FILE then)"); [] for a new sweep, or the same one
+    (more values of its keys add runs)."""
     try:
         old = json.loads((sweep_dir / report.SWEEP_FILE).read_text())
     except FileNotFoundError:
@@ -422,11 +443,12 @@ def changed_options(sweep_dir: Path, recipe: str, specs: Sequence[RunSpec],
         raise ValueError(  # noqa: TRY004
 f"{sweep_dir / report.SWEEP_FILE}: expected the sweep's record (a JSON "
                          f"object), found {type(old).__name__}")
+    runs = {r.get("name"): r for r in old.get("runs", []) if isinstance(r, dict)}
+    _check_one_grid(sweep_dir / report.SWEEP_FILE, runs.values())
     if old.get("recipe") != recipe:
         return ["recipe"]
     before, now = _leaves(old.get("run_options") or {}), _leaves(run_options or {})
     changed = sorted(k for k in before.keys() | now.keys() if before.get(k, ...) != now.get(k, ...))
-    runs = {r.get("name"): r for r in old.get("runs", []) if isinstance(r, dict)}
     if grid := _grid_changed(runs.values(), specs):
         changed.insert(0, grid)
     for s in specs:
