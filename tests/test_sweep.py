@@ -303,10 +303,10 @@ def test_the_runs_notes_are_said_once_each_naming_the_run_up_to_a_cap(tmp_path):
     assert notes.lines("lr=0.01", [cut, cut, "toymlx-train: --warmup 20 ... --lr 0.003"]) == []
     note = cut.removeprefix("toymlx: ")
     assert notes.said_by(["lr=0.001", "lr=0.003", "lr=0.01"]) == [
-        f"sweep: said by every run started (3): {note[:69]}...",
+        f"sweep: said by every run started (3): {note}",
         "sweep: said by 2 of the 3 runs started: lr=0.003, lr=0.01: --warmup 20 ... --lr 0.003"]
     assert notes.said_by(["lr=0.001", "lr=0.003", "lr=0.01", "lr=0.1", "lr=1", "lr=10"],
-                         names=2, width=100) == [
+                         names=2) == [
         f"sweep: said by 3 of the 6 runs started: lr=0.001, lr=0.003, and 1 more: {note}",
         "sweep: said by 2 of the 6 runs started: lr=0.003, lr=0.01: --warmup 20 ... --lr 0.003"]
     assert notes.said_by(["lr=0.001"]) == []  # one run: its line named it
@@ -404,7 +404,7 @@ def test_a_note_a_run_says_in_its_log_is_said_by_the_sweep_once(tmp_path, capsys
     # and at the end, that both said it
     note = warmup[0].removeprefix("toymlx-train: ")
     assert [x for x in err if x.startswith("sweep: said by")] == [
-        f"sweep: said by every run started (2): {note[:69]}..."]
+        f"sweep: said by every run started (2): {note}"]
 
 
 def test_failing_run_is_reported_and_the_others_complete(tmp_path, capsys):

@@ -113,11 +113,12 @@ class RunNotes:
                            f"their logs ({self.logs})")
         return out
 
-    def said_by(self, runs: Sequence[str], names: int = 4, width: int = 72) -> list[str]:
+    def said_by(self, runs: Sequence[str], names: int = 4) -> list[str]:
         """For the sweep's end: a line a note said, naming the runs that said it among `runs`
         (those this sweep started), `names` at most (`said by 2 of the 3 runs started: lr=0.001,
-        lr=0.003: NOTE`, or `by every run started (3)`), the note cut to `width` characters;
-        none where one run was started (its line named it)."""
+        lr=0.003: NOTE`, or `by every run started (3)`), the note whole (cut short, the notes of
+        a warm-up that never reaches --lr 0.001, and 0.003, read the same); none where one run
+        was started (its line named it)."""
         out = []
         for note, who in self.by.items():
             if len(runs) < 2:
@@ -128,8 +129,7 @@ class RunNotes:
                 more = f", and {len(who) - names} more" if len(who) > names else ""
                 whom = (f"{len(who)} of the {len(runs)} runs started: "
                         f"{', '.join(who[:names])}{more}")
-            text = note if len(note) <= width else note[:width - 3] + "..."
-            out.append(f"sweep: said by {whom}: {text}")
+            out.append(f"sweep: said by {whom}: {note}")
         return out
 
 
