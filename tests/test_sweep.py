@@ -58,8 +58,17 @@ def test_grid_flags_names_and_order():
 def test_grid_rejects_bad_keys_and_clashes():
     with pytest.raises(ValueError, match="--grid lora.rank: expected an option of recipe"):
         sweep.grid([], {"lora.rank": [4]}, recipe="from-scratch")
-    with pytest.raises(ValueError, match="--lr: given both"):
-        sweep.grid(["--lr", "0.1"], {"lr": [1e-3]})
+    # named neither the --grid nor the value given ("--lr: given both as a fixed option and
+    # in the sweep; keep one")
+    for base, given in ((["--lr", "0.1", "--steps", "2"], "--lr 0.1"), (["--lr=0.1"], "--lr=0.1")):
+        with pytest.raises(ValueError) as e:
+            sweep.grid(base, {"lr": [1e-3]})
+        assert str(e.value) == ("--grid lr: expected --lr in the grid or among every run's "
+                                f"options, found it in both ({given}); keep one")
+    with pytest.raises(ValueError) as e:
+        sweep.random(["--steps", "2", "--no-compile"], {"compile": [True, False]}, 2)
+    assert str(e.value) == ("--grid compile: expected --compile in the grid or among every "
+                            "run's options, found it in both (--no-compile); keep one")
     with pytest.raises(ValueError, match="--run-id: the sweep sets this"):
         sweep.grid(["--run-id", "x"], {"lr": [1e-3]})
     with pytest.raises(ValueError, match="same run name"):
@@ -80,6 +89,12 @@ def test_parse_axis_types_values_by_the_recipe():
     assert sweep.parse_axis("lr=log:1e-4:1e-2")[1] == sweep.LogUniform(1e-4, 1e-2)
     with pytest.raises(ValueError, match="expected an integer"):
         sweep.parse_axis("steps=1.5", "from-scratch")
+    # an empty value read as "--grid lr=: expected a number", the text typed not named
+    for text in ("lr=1e-3,,3e-3", "lr=1e-3,", "lr="):
+        with pytest.raises(ValueError) as e:
+            sweep.parse_axis(text, "from-scratch")
+        assert str(e.value) == (f"--grid {text!r}: expected KEY=V1,V2,... with no empty value "
+                                "(e.g. lr=1e-4,3e-4)")
 
 
 def test_random_is_deterministic_distinct_and_bounded():

@@ -166,13 +166,19 @@ def _base_args(base: Sequence[str] | Mapping[str, Any], types: dict[str, Any],
 
 
 def _check_no_clash(base: list[str], keys: Sequence[str]) -> None:
-    given = {a.split("=", 1)[0] for a in base if a.startswith("--")}
+    """Refuse a grid key also among every run's options (`base`), naming both: "--steps: given
+    both as a fixed option and in the sweep" named neither the --grid nor the value given."""
     for k in keys:
         flag = key_to_flag(k)
         head, _, last = flag[2:].rpartition(".")
         neg = f"--{head + '.' if head else ''}no-{last}"
-        if flag in given or neg in given:
-            raise ValueError(f"{flag}: given both as a fixed option and in the sweep; keep one")
+        for i, a in enumerate(base):
+            name, eq, _ = a.partition("=")
+            if name in (flag, neg):
+                value = base[i + 1:i + 2] if not eq and name == flag else []
+                given = " ".join([a, *(v for v in value if not v.startswith("--"))])
+                raise ValueError(f"--grid {k}: expected {flag} in the grid or among every run's "
+                                 f"options, found it in both ({given}); keep one")
 
 
 def _make_specs(base: list[str], combos: list[dict[str, Any]],
@@ -247,8 +253,10 @@ def parse_axis(text: str, recipe: str | None = None) -> tuple[str, Any]:
     Values are typed by the recipe's option types when the recipe is known."""
     key, sep, vals = text.partition("=")
     key = key.strip()
-    if not sep or not key or not vals.strip():
-        raise ValueError(f"--grid {text!r}: expected KEY=V1,V2,... (e.g. lr=1e-4,3e-4)")
+    # an empty value (`lr=1e-3,,3e-3`, a trailing comma) read as "--grid lr=: expected a number"
+    if not sep or not key or not all(v.strip() for v in vals.split(",")):
+        raise ValueError(f"--grid {text!r}: expected KEY=V1,V2,... with no empty value (e.g. "
+                         "lr=1e-4,3e-4)")
     types = _field_types(recipe)
     _check_key(key, types, recipe)
     m = RANGE.fullmatch(vals.strip())
