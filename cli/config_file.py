@@ -691,6 +691,15 @@ def sweep_config(parser: argparse.ArgumentParser, data: dict[str, Any], path: st
                                   "remove it")
         else:
             runs[key] = value
+    # the grid's values went to the runs as flags over the file's own value, which was
+    # silently unused (on the command line, `--grid lr=... --lr 0.01` is refused)
+    values, spelled = _flatten_spelled(runs, path)
+    for key in grid:
+        if key in values:
+            raise ConfigFileError(f"{path}: keys {spelled[key]!r} and 'grid.{key}': expected "
+                                  f"{_flag(key)} once, as every run's option or in the grid, "
+                                  f"found both ({json.dumps(values[key], default=str)} and "
+                                  f"{json.dumps(grid[key], default=str)}); keep one")
     return grid, runs
 
 

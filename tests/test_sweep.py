@@ -1137,8 +1137,14 @@ def test_an_option_spelt_with_hyphens_or_underscores_is_one_sweep(tmp_path):
     ("grid: [lr=1e-3]", ("key 'grid': expected a mapping of option: [values] or \"log:LO:HI\", "
      "found [\"lr=1e-3\"]")),
     ("grid: {lr: [1e-3]}\nworkers: two", "key 'workers': expected an integer, found \"two\""),
-    ("grid: {lr: [1e-3]}\nlr: fast", ("key 'lr': expected a number, found \"fast\" (a string); fix "
-     "it, or remove the key to take its default")),
+    ("grid: {steps: [2]}\nlr: fast", ("key 'lr': expected a number, found \"fast\" (a string); "
+     "fix it, or remove the key to take its default")),
+    # a grid key that is also a run option of the file: the grid's values silently won
+    ("grid: {lr: [1e-3, 3e-3]}\nlr: 0.01", ("keys 'lr' and 'grid.lr': expected --lr once, as "
+     "every run's option or in the grid, found both (0.01 and [0.001, 0.003]); keep one")),
+    ("grid: {model.n_layers: [1, 2]}\nmodel: {n-layers: 1}", ("keys 'model: {n-layers}' and "
+     "'grid.model.n_layers': expected --model.n-layers once, as every run's option or in the "
+     "grid, found both (1 and [1, 2]); keep one")),
     ("grid: {lr: [1e-3]}\nmodle: {d_model: 8}", ("key 'modle.d_model': expected an option of "
      "toymlx-train --recipe from-scratch, found an unknown key; did you mean --model.d-model?")),
     ("grid: {lr: [1e-3]}\nrun_id: x", ("key 'run_id': expected no --run-id in a sweep file (the "
