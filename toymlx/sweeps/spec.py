@@ -70,18 +70,9 @@ def _arg_str(v: Any) -> str:
     return repr(v) if isinstance(v, float) else "None" if v is None else str(v)
 
 
-def _name_str(v: Any) -> str:
-    if isinstance(v, float):
-        short = f"{v:g}"
-        return short if float(short) == v else repr(v)
-    if isinstance(v, (list, tuple)):
-        return "+".join(_name_str(x) for x in v)
-    return str(v)
-
-
 def run_name(params: Mapping[str, Any]) -> str:
     """Folder name of a run from its swept values: `lr=0.0003_lora.rank=8` (stable)."""
-    name = "_".join(f"{k}={_name_str(v)}" for k, v in params.items()) or "base"
+    name = "_".join(f"{k}={report.value_text(v)}" for k, v in params.items()) or "base"
     name = re.sub(r"[^A-Za-z0-9._=+-]", "-", name)
     if len(name) > 100:
         digest = hashlib.sha1(name.encode()).hexdigest()[:8]
