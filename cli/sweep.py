@@ -327,6 +327,10 @@ def _main(argv: list[str] | None) -> int:
         else:
             specs = sweep.random(passthrough, axes, args.random, args.seed or 0,
                                  recipe=args.recipe)
+            if len(specs) < args.random:  # the first line's "2 runs" alone, where 5 were asked
+                print(f"toymlx-sweep: --random {args.random}: drew {len(specs)} distinct runs, "
+                      f"not {args.random}: the grid holds no more; running the {len(specs)}",
+                      file=sys.stderr)
         inputs, notes = _check_runs(args.recipe, specs, run_options, path, run_config,
                                     args.runs_root, mlx_lm)
         for note in notes:  # as each run's toymlx-train says them (its log, naming the copy)

@@ -1059,6 +1059,18 @@ compile: false
         assert losses[0] == losses[1] and len(losses[0]) == 3
 
 
+def test_a_random_search_of_fewer_points_than_asked_says_so(tmp_path, capsys):
+    """`--random 5` over a grid of 2 points ran 2 runs, its first line's "2 runs" the only sign
+    that 3 of the 5 asked for were not drawn."""
+    assert sweep_main(["--recipe", "from-scratch", "--random", "5", "--grid", "lr=1e-3,2e-3",
+                       "--runs-root", str(tmp_path), "--sweep-id", "r", "--no-progress",
+                       "--no-report", *TINY, "--steps", "1"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[:2] == [("toymlx-sweep: --random 5: drew 2 distinct runs, not 5: the grid holds "
+                        "no more; running the 2"),
+                       f"sweep {tmp_path / 'r'}: 2 runs, 2 on this shard (0/1), 1 worker"]
+
+
 def test_random_search_from_a_file_draws_what_the_flags_draw(tmp_path):
     """--random ranges from the file; the sweep's own options from it, flags over them. A
     shard that owns none of the runs writes sweep.json (every run's name and flags) and runs
@@ -1131,7 +1143,12 @@ def test_an_option_spelt_with_hyphens_or_underscores_is_one_sweep(tmp_path):
     ("grid: {lr: [1e-3]}\nworker: 2", ("key 'worker': expected a key of toymlx-sweep or an "
      "option of its runs, found an unknown key; did you mean workers (toymlx-sweep's "
      "--workers)?")),
-    ("grid: {lr: 'log:1e-2:1e-4'}\nrandom: 2", "key 'grid.lr': expected 0 < LO <= HI"),
+    ("grid: {lr: 'log:1e-2:1e-4'}\nrandom: 2", ("key 'grid.lr': expected 0 < LO <= HI, found "
+     "LO 1e-2 and HI 1e-4")),
+    # an integer option's uniform: range was refused as a run's value ('--model.n-layers:
+    # expected an integer or None, got '2.69'), naming no range
+    ("grid: {model.n_layers: 'uniform:1:3'}\nrandom: 2", ("key 'grid.model.n_layers': expected "
+     "int:1:3 (the option takes an integer), found uniform:1:3")),
     ("grid: {lora.rank: [4]}", ("key 'grid.lora.rank': expected an option of recipe from-scratch, "
      "found no option --lora.rank")),
     ("grid: [lr=1e-3]", ("key 'grid': expected a mapping of option: [values] or \"log:LO:HI\", "

@@ -250,10 +250,10 @@ def parse_axis(text: str, recipe: str | None = None) -> tuple[str, Any]:
                          "lr=1e-4,3e-4)")
     types = _field_types(recipe)
     _check_key(key, types, recipe)
+    t = types.get(_norm_key(key))
     m = RANGE.fullmatch(vals.strip())
     if m:
-        return key, parse_range(*m.groups(), where=f"--grid {text!r}")
-    t = types.get(_norm_key(key))
+        return key, parse_range(*m.groups(), where=f"--grid {text!r}", integer=_takes_int(t))
     return key, [_parse_value(v.strip(), t, key) for v in vals.split(",")]
 
 
@@ -265,7 +265,7 @@ def file_axis(key: str, values: Any, recipe: str | None, where: str) -> Any:
     _check_key(key, types, recipe, where)
     m = RANGE.fullmatch(values.strip()) if isinstance(values, str) else None
     if m:
-        return parse_range(*m.groups(), where=where)
+        return parse_range(*m.groups(), where=where, integer=_takes_int(types.get(_norm_key(key))))
     if not isinstance(values, list) or not values or any(isinstance(v, (list, dict))
                                                          for v in values):
         raise ValueError(f'{where}: expected a list of values or a "log:LO:HI" range, found '
@@ -275,6 +275,12 @@ def file_axis(key: str, values: Any, recipe: str | None, where: str) -> Any:
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number"}
+
+
+def _takes_int(t: Any) -> bool:
+    """Whether an option of type `t` (`_field_types`) takes an integer (int, or int | None)."""
+    return t is int or (type(None) in typing.get_args(t)
+                        and [a for a in typing.get_args(t) if a is not type(None)] == [int])
 
 
 def _parse_value(s: str, t: Any, key: str, where: str | None = None,
