@@ -503,14 +503,64 @@ def test_a_run_a_full_disk_failed_is_resumed_from_its_checkpoint(tmp_path, capsy
             "--sweep-id", "s", "--no-progress", "--no-report", *args]
     assert sweep_main([*argv, "--no-retry-failed"]) == 1
     assert (f"sweep: {run.name}: its checkpoints are intact: free space (or make the folder "
-            "writable) and run the same command again; it resumes from them\n"
-            ) in capsys.readouterr().err
+            "writable) and run the command again without --no-retry-failed; it resumes from "
+            "them\n") in capsys.readouterr().err
     assert sweep_main(argv) == 0
     assert "resume: toymlx-train --resume" in (tmp_path / "s" / "logs" / f"{run.name}.log"
                                                ).read_text()
     events = read_events(run)
     assert [ev["from_step"] for ev in events if ev["kind"] == "resume"] == [4]
     assert [ev["step"] for ev in events if ev["kind"] == "step"] == list(range(1, 11))
+
+
+KILLER = """#!{python}
+# the sweep's python: runs its toymlx-train child, and kills it and itself (kill -9, as the
+# out-of-memory killer does) once the run has written its second checkpoint
+import os, signal, subprocess, sys, time
+from pathlib import Path
+args = sys.argv[1:]
+run = Path(args[args.index("--runs-root") + 1]) / args[args.index("--run-id") + 1]
+child = subprocess.Popen([{python!r}, *args])
+while child.poll() is None:
+    events = run / "events.jsonl"
+    if events.is_file() and events.read_text().count('"kind": "checkpoint"') >= 2:
+        child.kill()
+        child.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.02)
+sys.exit(child.returncode)
+"""
+
+
+def test_a_killed_run_is_said_to_resume_from_its_checkpoints_and_does(tmp_path, capsys):
+    """A run killed mid-way (kill -9, the out-of-memory killer): the sweep said "FAILED ...
+    killed by SIGKILL" and the table "torn", and nothing said that the same command resumes it
+    from its checkpoints, not from step 0 (the full disk's line said so of its runs alone)."""
+    killer = tmp_path / "killer"
+    killer.write_text(KILLER.format(python=sys.executable))
+    killer.chmod(0o755)
+    specs = sweep.grid([*TINY, "--steps", "60", "--checkpoint-every", "2"], {"lr": [1e-3]},
+                       recipe="from-scratch")
+    run = tmp_path / "s" / "lr=0.001"
+    result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="s", progress=False,
+                             report_png=False, python=str(killer))
+    assert result.states == {"lr=0.001": "failed"}
+    saved = [ev["step"] for ev in read_events(run) if ev["kind"] == "checkpoint"]
+    assert len(saved) >= 2 and saved[-1] < 60
+    err = capsys.readouterr().err
+    assert "sweep: FAILED lr=0.001: killed by SIGKILL" in err
+    assert err.endswith("sweep: lr=0.001: its checkpoints are intact: run the same command "
+                        "again; it resumes from them\n")
+    result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="s", progress=False,
+                             report_png=False, retry_failed=False)
+    assert result.states == {"lr=0.001": "failed"}
+    assert capsys.readouterr().err.endswith(
+        "sweep: lr=0.001: its checkpoints are intact: run the command again without "
+        "--no-retry-failed; it resumes from them\n")
+    result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="s", progress=False,
+                             report_png=False)
+    assert result.states == {"lr=0.001": "done"}
+    assert [ev["from_step"] for ev in read_events(run) if ev["kind"] == "resume"] == [saved[-1]]
 
 
 def test_a_run_s_record_a_full_disk_refuses_does_not_end_the_sweep(tmp_path, capsys,

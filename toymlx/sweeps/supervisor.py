@@ -88,6 +88,14 @@ def _has_checkpoint(run_dir: Path) -> bool:
         return False
 
 
+def resumes(run_dir: Path) -> bool:
+    """Whether the sweep, running the run again, resumes it from its checkpoints (else it
+    starts it over): torn (killed, by the out-of-memory killer or a kill -9) or interrupted,
+    or failed on a disk that refused its writes (`failed_on_the_disk`)."""
+    return ((run_state(run_dir) == "resumable" or failed_on_the_disk(run_dir))
+            and _has_checkpoint(run_dir))
+
+
 def failed_on_the_disk(run_dir: Path) -> bool:
     """Whether the run's last attempt ended on a disk that refused its writes (full, over
     quota, read-only: its run_end's error, or MLX's kernel build's): what it had checkpointed
@@ -253,7 +261,7 @@ class _Runner:
             r.message = r.message or _recorded(self.sweep_dir, r, "message")
             r.release()
             return
-        if (state == "resumable" or failed_on_the_disk(r.dir)) and _has_checkpoint(r.dir):
+        if resumes(r.dir):
             r.action = "resume"
             cmd = ["--resume", str(r.dir), "--no-progress"]
         else:  # new, failed, or stopped before its first checkpoint: start (over)
@@ -427,10 +435,15 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
         if r.state in ("failed", "diverged"):
             stream.write(f"sweep: {r.state.upper()} {r.spec.name}: {r.message} "
                          f"(log: {sweep_dir / 'logs' / (r.spec.name + '.log')})\n")
-            if r.state == "failed" and failed_on_the_disk(r.dir) and _has_checkpoint(r.dir):
-                stream.write(f"sweep: {r.spec.name}: its checkpoints are intact: free space (or "
-                             "make the folder writable) and run the same command again; it "
-                             "resumes from them\n")
+            # a run killed (kill -9, out of memory) is resumed too, not started over: said,
+            # as a full disk's is, where the line above said only how it failed
+            if r.state == "failed" and resumes(r.dir):
+                disk = ("free space (or make the folder writable) and "
+                        if failed_on_the_disk(r.dir) else "")
+                again = ("run the same command again" if retry_failed else
+                         "run the command again without --no-retry-failed")
+                stream.write(f"sweep: {r.spec.name}: its checkpoints are intact: {disk}{again}; "
+                             "it resumes from them\n")
         elif r.state == "elsewhere":
             stream.write(f"sweep: {r.spec.name}: skipped here: {r.message}\n")
     if interrupted:
