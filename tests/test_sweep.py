@@ -292,9 +292,10 @@ def test_the_live_line_says_what_a_running_run_does():
 def test_the_runs_notes_are_said_once_each_naming_the_run_up_to_a_cap(tmp_path):
     """A run's notes (rows cut at --seq-len, a warm-up longer than --steps) reached only its
     log: the user watching the sweep never saw them. Now each distinct note is said once,
-    naming the first run that said it; not a step's line, nor a run's refusal or last line
-    (the sweep reports those), nor a note the sweep said before its runs; after `shown`
-    notes, one line names the logs."""
+    numbered, naming the first run that said it; not a step's line, nor a run's refusal or
+    last line (the sweep reports those), nor a note the sweep said before its runs; after
+    `shown` notes, one line names the logs; at the end, by its number, which runs said each
+    (only the first was named: one run's note read as every run's)."""
     import io
 
     from toymlx.sweeps.live import LiveView, RunNotes, SweptRun
@@ -307,23 +308,22 @@ def test_the_runs_notes_are_said_once_each_naming_the_run_up_to_a_cap(tmp_path):
         "toymlx-train: error: training split: expected at least 33 tokens",
         "toymlx: completed at step 10. held-out: val_loss 5.4711. bundle: runs/s/lr=0.001",
         "toymlx-train: interrupted before the first step; nothing was trained", cut]) == [
-        f"sweep: lr=0.001: {cut}"]
+        f"sweep: note 1 (lr=0.001): {cut}"]
     assert notes.lines("lr=0.003", [cut, "toymlx-train: --warmup 20 ... --lr 0.003",
                                     "toymlx: warning: TOYMLX_BLAS ...",
                                     "toymlx-train: --warmup 20 ... --lr 0.01"]) == [
-        "sweep: lr=0.003: toymlx-train: --warmup 20 ... --lr 0.003",
+        "sweep: note 2 (lr=0.003): toymlx-train: --warmup 20 ... --lr 0.003",
         f"sweep: more than 2 notes from the runs: the rest are in their logs ({tmp_path / 'logs'})"]
     assert notes.lines("lr=0.01", ["toymlx: another note"]) == []
     # at the end, which runs said each note shown: a later run's repeat was named nowhere
     assert notes.lines("lr=0.01", [cut, cut, "toymlx-train: --warmup 20 ... --lr 0.003"]) == []
-    note = cut.removeprefix("toymlx: ")
     assert notes.said_by(["lr=0.001", "lr=0.003", "lr=0.01"]) == [
-        f"sweep: said by every run started (3): {note}",
-        "sweep: said by 2 of the 3 runs started: lr=0.003, lr=0.01: --warmup 20 ... --lr 0.003"]
+        "sweep: note 1 was said by every run started (3)",
+        "sweep: note 2 was said by 2 of the 3 runs started: lr=0.003, lr=0.01"]
     assert notes.said_by(["lr=0.001", "lr=0.003", "lr=0.01", "lr=0.1", "lr=1", "lr=10"],
                          names=2) == [
-        f"sweep: said by 3 of the 6 runs started: lr=0.001, lr=0.003, and 1 more: {note}",
-        "sweep: said by 2 of the 6 runs started: lr=0.003, lr=0.01: --warmup 20 ... --lr 0.003"]
+        "sweep: note 1 was said by 3 of the 6 runs started: lr=0.001, lr=0.003, and 1 more",
+        "sweep: note 2 was said by 2 of the 6 runs started: lr=0.003, lr=0.01"]
     assert notes.said_by(["lr=0.001"]) == []  # one run: its line named it
 
     class Terminal(io.StringIO):
@@ -403,8 +403,8 @@ def test_sweep_of_four_runs_completes_skips_on_restart_and_summary_matches(tmp_p
 
 def test_a_note_a_run_says_in_its_log_is_said_by_the_sweep_once(tmp_path, capsys):
     """Both runs say the same note in their logs (the recipe's --warmup 20 is longer than
-    --steps 2): the sweep says it once, naming the run that said it first; before, it was in
-    the logs alone."""
+    --steps 2): the sweep says it once, naming the run that said it first (before, it was in
+    the logs alone), and at the end that both said it."""
     argv = ["--recipe", "from-scratch", "--grid", "model.ffn_dim=32,64", "--runs-root",
             str(tmp_path), "--sweep-id", "n", "--no-progress", "--no-report", *TINY,
             "--steps", "2"]
@@ -414,12 +414,9 @@ def test_a_note_a_run_says_in_its_log_is_said_by_the_sweep_once(tmp_path, capsys
     warmup = [x for x in (logs / "model.ffn_dim=32.log").read_text().splitlines()
               if x.startswith("toymlx-train: --warmup 20 (the recipe's default) is longer")]
     assert len(warmup) == 1 and warmup[0] in (logs / "model.ffn_dim=64.log").read_text()
-    assert [x for x in err if x.startswith("sweep: model.ffn_dim=")
-            and ": toymlx" in x] == [f"sweep: model.ffn_dim=32: {warmup[0]}"]
-    # and at the end, that both said it
-    note = warmup[0].removeprefix("toymlx-train: ")
-    assert [x for x in err if x.startswith("sweep: said by")] == [
-        f"sweep: said by every run started (2): {note}"]
+    assert [x for x in err if x.startswith("sweep: note ")] == [
+        f"sweep: note 1 (model.ffn_dim=32): {warmup[0]}",
+        "sweep: note 1 was said by every run started (2)"]  # and at the end, that both said it
 
 
 def test_failing_run_is_reported_and_the_others_complete(tmp_path, capsys):

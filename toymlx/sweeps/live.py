@@ -76,11 +76,11 @@ def run_note(line: str) -> str | None:
 
 class RunNotes:
     """The notes runs say in their logs (`run_note`: rows cut at --seq-len, a warm-up longer
-    than --steps), for the sweep's console: each distinct one once, naming the first run that
-    said it, up to `shown`, then one line naming `logs`, which hold the rest; at the sweep's
-    end, which runs said each (`said_by`). During a sweep they reached only the logs, and the
-    user watching it never saw them; then only the first run was named, and a note of one run
-    read as one of all."""
+    than --steps), for the sweep's console: each distinct one once, numbered, naming the first
+    run that said it, up to `shown`, then one line naming `logs`, which hold the rest; at the
+    sweep's end, which runs said each (`said_by`). During a sweep they reached only the logs,
+    and the user watching it never saw them; then only the first run was named, and a note of
+    one run read as one of all."""
 
     def __init__(self, logs: Path, said: Iterable[str] = (), shown: int = NOTES_SHOWN):
         self.logs, self.shown = logs, shown
@@ -88,11 +88,12 @@ class RunNotes:
         """The notes said (the sweep's own of the runs' examples, said before any run)"""
         self.count = 0
         self.by: dict[str, list[str]] = {}
-        """Each note said on the console: the runs that said it, the first first."""
+        """Each note said on the console, in the order of their numbers: the runs that said it,
+        the first first."""
 
     def lines(self, run: str, lines: Iterable[str]) -> list[str]:
-        """The console lines for `lines` of run `run`'s log: `sweep: RUN: LINE` for a note not
-        said before."""
+        """The console lines for `lines` of run `run`'s log: `sweep: note N (RUN): LINE` for a
+        note not said before."""
         out = []
         for line in lines:
             note = run_note(line)
@@ -107,29 +108,28 @@ class RunNotes:
             self.count += 1
             if self.count <= self.shown:
                 self.by[note] = [run]
-                out.append(f"sweep: {run}: {line}")
+                out.append(f"sweep: note {self.count} ({run}): {line}")
             elif self.count == self.shown + 1:
                 out.append(f"sweep: more than {self.shown} notes from the runs: the rest are in "
                            f"their logs ({self.logs})")
         return out
 
     def said_by(self, runs: Sequence[str], names: int = 4) -> list[str]:
-        """For the sweep's end: a line a note said, naming the runs that said it among `runs`
-        (those this sweep started), `names` at most (`said by 2 of the 3 runs started: lr=0.001,
-        lr=0.003: NOTE`, or `by every run started (3)`), the note whole (cut short, the notes of
-        a warm-up that never reaches --lr 0.001, and 0.003, read the same); none where one run
-        was started (its line named it)."""
+        """For the sweep's end: which of `runs` (those this sweep started) said each note, by
+        its number (`sweep: note 2 was said by 2 of the 3 runs started: lr=0.001, lr=0.003`,
+        `names` at most, or `note 1 was said by every run started (3)`); none where one run was
+        started (its line named it)."""
+        if len(runs) < 2:
+            return []
         out = []
-        for note, who in self.by.items():
-            if len(runs) < 2:
-                break
+        for i, who in enumerate(self.by.values(), 1):
             if len(who) == len(runs):
                 whom = f"every run started ({len(runs)})"
             else:
                 more = f", and {len(who) - names} more" if len(who) > names else ""
                 whom = (f"{len(who)} of the {len(runs)} runs started: "
                         f"{', '.join(who[:names])}{more}")
-            out.append(f"sweep: said by {whom}: {note}")
+            out.append(f"sweep: note {i} was said by {whom}")
         return out
 
 
