@@ -1106,6 +1106,18 @@ compile: false
         assert losses[0] == losses[1] and len(losses[0]) == 3
 
 
+def test_an_empty_sweep_id_is_refused_not_replaced_by_the_hashed_one(tmp_path, capsys):
+    """`--sweep-id ""` (`--sweep-id "$ID"` with ID unset) ran the sweep under the id toymlx
+    makes when none is given, unsaid."""
+    from cli_errors import error_line
+
+    assert sweep_main(["--recipe", "from-scratch", "--grid", "lr=1e-3", "--runs-root",
+                       str(tmp_path), "--sweep-id", "", "--no-progress", *TINY]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        "toymlx-sweep: error: --sweep-id: expected a single folder name, found ''")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_random_search_of_fewer_points_than_asked_says_so(tmp_path, capsys):
     """`--random 5` over a grid of 2 points ran 2 runs, its first line's "2 runs" the only sign
     that 3 of the 5 asked for were not drawn."""

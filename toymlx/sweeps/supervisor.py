@@ -382,7 +382,8 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     mine = shard_specs(specs, shard)
     stream = stream or sys.stderr
     given = sweep_id is not None
-    sweep_id = sweep_id or default_sweep_id(recipe, specs, run_options)
+    # `--sweep-id ""` (an unset $ID) ran under the hashed id, unsaid: refused as a name
+    sweep_id = sweep_id if given else default_sweep_id(recipe, specs, run_options)
     check_folder_name(sweep_id, "--sweep-id")
     # each run's folder is checked by its toymlx-train; the sweep's own folder here, naming
     # the flag that put it where it is: the root first, then a given --sweep-id in that root
