@@ -698,12 +698,15 @@ def test_a_changed_sweep_under_the_same_id_is_refused_naming_the_changed_keys(tm
     assert sweep_main(["-c", str(cfg)]) == 2
     assert error_line(capsys, "toymlx-sweep") == (
         f"toymlx-sweep: error: {root}: --sweep-id s: expected the options this sweep was "
-        "started with, found model.n_layers, steps changed; give a new --sweep-id to run the "
-        "changed sweep, or put them back")
+        "started with, found model.n_layers (2 now, 1 when the sweep started), steps (3 now, 2 "
+        "when the sweep started) changed; give a new --sweep-id to run the changed sweep, or put "
+        "them back")
     assert {p: p.read_bytes() for p in kept} == kept
     # a flag that changes every run's options, under the same id
     assert sweep_main(["-c", str(cfg), "--sweep-id", "s", "--", "--warmup", "1"]) == 2
-    assert "found model.n_layers, steps, --warmup changed" in error_line(capsys, "toymlx-sweep")
+    assert ("found model.n_layers (2 now, 1 when the sweep started), steps (3 now, 2 when the "
+            "sweep started), --warmup (1 now, not given when the sweep started) changed"
+            ) in error_line(capsys, "toymlx-sweep")
     # more values in the grid add runs; the runs already there are the same
     cfg.write_text(text.replace("[1e-3]", "[1e-3, 2e-3]"))
     assert sweep_main(["-c", str(cfg)]) == 0
@@ -1053,7 +1056,8 @@ def test_two_sweeps_of_one_id_with_other_options_started_at_once_one_is_refused(
     thread.join(300)
     assert [str(x) for x in outcome] == [
         (f"{root}: --sweep-id s: expected the options this sweep was started with, found "
-         "--steps changed; give a new --sweep-id to run the changed sweep, or put them back")]
+         "--steps (2 now, 3 when the sweep started) changed; give a new --sweep-id to run the "
+         "changed sweep, or put them back")]
     assert (root / "sweep.json").read_bytes() == (made / "sweep.json").read_bytes()
     assert not (root / "lr=0.001").exists()
 

@@ -408,6 +408,12 @@ def _grid_changed(runs: Iterable[Mapping[str, Any]], specs: Sequence[RunSpec]) -
             f"{' or '.join(map(_grid_keys, then))} when the sweep started{order})")
 
 
+def _was(key: str, now: str, then: str) -> str:
+    """A changed option as `changed_options` names it: `--steps (3 now, 2 when the sweep
+    started)`."""
+    return f"{key} ({now} now, {then} when the sweep started)"
+
+
 def _check_one_grid(path: Path, runs: Iterable[Mapping[str, Any]], names: int = 4) -> None:
     """Refuse a record whose runs are of several grids (keys, or their order), naming each
     grid's runs and what to do: a toymlx before `_grid_changed` ran another grid's runs into a
@@ -453,14 +459,22 @@ f"{sweep_dir / report.SWEEP_FILE}: expected the sweep's record (a JSON "
     if old.get("recipe") != recipe:
         return ["recipe"]
     before, now = _leaves(old.get("run_options") or {}), _leaves(run_options or {})
-    changed = sorted(k for k in before.keys() | now.keys() if before.get(k, ...) != now.get(k, ...))
+    # each with its value now and then: "found --steps changed" left the user to dig the old
+    # value out of sweep.json to put it back
+    changed = [_was(k, *(json.dumps(x[k], default=str) if k in x else "none"
+                         for x in (now, before)))
+               for k in sorted(before.keys() | now.keys()) if before.get(k, ...) != now.get(k, ...)]
     if grid := _grid_changed(runs.values(), specs):
         changed.insert(0, grid)
+    said = set()
     for s in specs:
         if s.name in runs:
             a, b = _flag_values(runs[s.name].get("args", [])), _flag_values(s.args)
-            changed += [f for f in sorted(a.keys() | b.keys())
-                        if a.get(f) != b.get(f) and f not in changed]
+            for f in sorted(a.keys() | b.keys()):
+                if a.get(f) != b.get(f) and f not in said:
+                    said.add(f)
+                    changed.append(_was(f, *(" ".join(x[f]) or "given" if f in x else "not given"
+                                             for x in (b, a))))
     then = old.get(INPUT_FILES_KEY) or {}
     for flag, path in inputs:
         was = then.get(f"{flag} {path}") if isinstance(path, str) else None
