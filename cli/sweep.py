@@ -316,8 +316,9 @@ def _main(argv: list[str] | None) -> int:
                                f"toymlx-train --recipe {args.recipe}")
         axes = _axes(args, file_grid, path, mlx_lm)
         if not axes:
+            # a run's config.json holds no grid: "or a grid in runs/x/config.json" misled
             raise ValueError("--grid: expected at least one KEY=V1,V2 (e.g. --grid lr=1e-4,3e-4)"
-                             + (f" or a grid in {path}" if path else ""))
+                             + (f" or a grid in {path}" if path and not run_config else ""))
         if args.random is None:
             ranged = [k for k, v in axes.items() if not isinstance(v, list)]
             if ranged:

@@ -1486,6 +1486,11 @@ def test_a_sweep_file_key_that_does_not_apply_is_refused_a_run_config_is_not(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.json"]
     run = tmp_path / "config.json"
     run.write_text(json.dumps({"recipe": "lora", "config": options}))
+    # without a --grid: named alone (it said "or a grid in .../config.json", which holds none)
+    assert sweep_main(["-c", str(run), *flags[:-2]]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        "toymlx-sweep: error: --grid: expected at least one KEY=V1,V2 (e.g. --grid "
+        "lr=1e-4,3e-4)")
     assert sweep_main(["-c", str(run), *flags, "--sweep-id", "s"]) == 0
     assert json.loads((tmp_path / "s" / "run-options.json").read_text()) == {
         "recipe": "lora", "config": options}
