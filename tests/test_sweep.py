@@ -325,6 +325,16 @@ def test_the_runs_notes_are_said_once_each_naming_the_run_up_to_a_cap(tmp_path):
         "sweep: note 1 was said by 3 of the 6 runs started: lr=0.001, lr=0.003, and 1 more",
         "sweep: note 2 was said by 2 of the 6 runs started: lr=0.003, lr=0.01"]
     assert notes.said_by(["lr=0.001"]) == []  # one run: its line named it
+    # a run's note of run-options.json is the sweep's of the -c file it copies, said before
+    # the runs (mlx-lm's `key 'adapter_path': not used` was said twice, once naming each)
+    said = "mlx_lm_lora.yaml: key 'adapter_path': not used (--runs-root ...)"
+    notes = RunNotes(tmp_path / "logs", said=[said],
+                     copies={"runs/s/run-options.json": "mlx_lm_lora.yaml"})
+    assert notes.lines("lr=1e-05", [
+        "toymlx-train: runs/s/run-options.json: key 'adapter_path': not used (--runs-root ...)",
+        "toymlx-train: runs/s/run-options.json: key 'iters': another note"]) == [
+        ("sweep: note 1 (lr=1e-05): toymlx-train: runs/s/run-options.json: key 'iters': "
+         "another note")]
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -82,10 +82,15 @@ class RunNotes:
     and the user watching it never saw them; then only the first run was named, and a note of
     one run read as one of all."""
 
-    def __init__(self, logs: Path, said: Iterable[str] = (), shown: int = NOTES_SHOWN):
+    def __init__(self, logs: Path, said: Iterable[str] = (), shown: int = NOTES_SHOWN,
+                 copies: Mapping[str, str] | None = None):
         self.logs, self.shown = logs, shown
         self.said = set(said)
         """The notes said (the sweep's own of the runs' examples, said before any run)"""
+        self.copies = dict(copies or {})
+        """{a file the runs read: the file it is a copy of, as `said` names it}: a run's note
+        of the sweep folder's run-options.json is the sweep's of the -c file it copies, said
+        before any run (it was said twice, once naming each)."""
         self.count = 0
         self.by: dict[str, list[str]] = {}
         """Each note said on the console, in the order of their numbers: the runs that said it,
@@ -99,6 +104,8 @@ class RunNotes:
             note = run_note(line)
             if note is None:
                 continue
+            for copy, file in self.copies.items():
+                note = note.replace(copy, file)
             if note in self.by:
                 self.by[note] += [run] if run not in self.by[note] else []
                 continue

@@ -154,10 +154,13 @@ class _Runner:
 
     def __init__(self, recipe: str, sweep_dir: Path, runs: list[SweptRun], workers: int,
                  retry_failed: bool, busy_wait: float, python: str, view: LiveView,
-                 stream: TextIO, run_options: Path | None = None, said: Sequence[str] = ()):
+                 stream: TextIO, run_options: Path | None = None, said: Sequence[str] = (),
+                 config_file: str | None = None):
         self.recipe, self.sweep_dir, self.runs, self.workers = recipe, sweep_dir, runs, workers
-        self.notes = RunNotes(sweep_dir / "logs", said)
-        """What the runs note in their logs, said on the console (`said`: said there before)"""
+        copies = {str(run_options): config_file} if run_options and config_file else {}
+        self.notes = RunNotes(sweep_dir / "logs", said, copies=copies)
+        """What the runs note in their logs, said on the console (`said`: said there before,
+        naming `config_file`, which the runs read as its copy `run_options`)"""
         self.run_options = run_options
         """The file of options every new run takes as `-c` (None: none)."""
         self.retry_failed, self.busy_wait = retry_failed, busy_wait
@@ -426,7 +429,7 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     runs = [SweptRun(s, sweep_dir / s.name) for s in mine]
     runner = _Runner(recipe, sweep_dir, runs, workers, retry_failed, busy_wait,
                      python or sys.executable, LiveView(stream, progress, heartbeat), stream,
-                     options_file, said)
+                     options_file, said, config_file)
     interrupted = runner.run()
 
     result = summarize_sweep(sweep_dir, report_png=report_png, stream=stream)
