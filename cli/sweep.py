@@ -7,6 +7,7 @@ import argparse
 import os
 import re
 import sys
+from collections.abc import Callable
 from functools import partial
 
 from toymlx_cli import VersionAction, console_streams, output_may_close, readable_width
@@ -240,13 +241,27 @@ def main(argv: list[str] | None = None) -> int:
     # `2>&1 | head -3`: the rest of the output is discarded, and the sweep stops as on Ctrl-C
     # (its runs checkpoint; summary and report written; exit 141); `| head -3` alone reads
     # stdout, which has only the final table
+    from toymlx.backend.stop import SIGNALS, how_stopped, stops_raise
+
     if argv is None:  # the console script
         console_streams()
     with output_may_close():
-        return _main(argv)
+        # Ctrl-C (a kill, a closed terminal) while the runs are checked (a lora run's examples
+        # read: seconds) ended in a traceback; the sweep, once begun, counts them itself
+        try:
+            with stops_raise(SIGNALS):
+                checked = _main(argv)
+        except KeyboardInterrupt as e:
+            what, code = how_stopped(e)
+            print(f"toymlx-sweep: {what} before any run started; nothing was run",
+                  file=sys.stderr)
+            return code
+        return checked if isinstance(checked, int) else checked()
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None) -> int | Callable[[], int]:
+    """The sweep's options read and every run's checked: its exit status where they are
+    refused, else the sweep to run (`_sweep`)."""
     from toymlx_cli.config_file import (
         check_sweep_typos,
         defaults_from_file,
@@ -259,7 +274,6 @@ def _main(argv: list[str] | None) -> int:
 
     from toymlx import sweeps as sweep
     from toymlx.backend.device import restart_with_huge_pages
-    from toymlx.backend.stop import stop_outcome
     from toymlx.recipes import RECIPES, get_recipe
 
     if argv is None:  # the console script: its runs inherit the huge-page heap setting
@@ -336,9 +350,22 @@ def _main(argv: list[str] | None) -> int:
                                     args.runs_root, mlx_lm)
         for note in notes:  # as each run's toymlx-train says them (its log, naming the copy)
             print(f"toymlx-sweep: {note}", file=sys.stderr)
-        result = sweep.run_sweep(args.recipe, specs, args.runs_root, args.workers,
-                                 _shard(args.shard), args.sweep_id,
-                                 retry_failed=not args.no_retry_failed,
+        shard = _shard(args.shard)
+    except (ValueError, OSError) as e:
+        print(f"toymlx-sweep: error: {e}", file=sys.stderr)
+        return 2
+    return partial(_sweep, args, specs, shard, run_options, inputs, path, run_config, notes)
+
+
+def _sweep(args: argparse.Namespace, specs: list, shard: tuple[int, int], run_options: dict | None,
+           inputs: list, path: str | None, run_config: bool, notes: list[str]) -> int:
+    """Run the sweep `_main` checked; its exit status."""
+    from toymlx import sweeps as sweep
+    from toymlx.backend.stop import stop_outcome
+
+    try:
+        result = sweep.run_sweep(args.recipe, specs, args.runs_root, args.workers, shard,
+                                 args.sweep_id, retry_failed=not args.no_retry_failed,
                                  progress=not args.no_progress, report_png=not args.no_report,
                                  run_options=run_options, inputs=inputs, config_file=path,
                                  run_config=run_config, said=notes)

@@ -1120,6 +1120,39 @@ compile: false
         assert losses[0] == losses[1] and len(losses[0]) == 3
 
 
+@pytest.mark.parametrize("sig, line, code", [
+    (signal.SIGINT, "interrupted", 130), (signal.SIGTERM, "stopped by SIGTERM", 143)])
+def test_a_stop_while_the_runs_are_checked_is_one_line(tmp_path, capsys, monkeypatch, sig,
+                                                          line, code):
+    """Ctrl-C (or a kill) while the sweep checks its runs (a lora run's examples read:
+    seconds) ended in a KeyboardInterrupt traceback, or for a kill, with no line at all; now
+    one line, the signal's exit status, and no sweep folder."""
+    import toymlx_cli.sweep as cli
+
+    from toymlx.backend.stop import SIGNALS
+
+    def check_runs(*args, **kw):
+        os.kill(os.getpid(), sig)  # the signal comes while the runs are checked
+        time.sleep(5)  # not reached: the handler raises at once
+        raise AssertionError("the stop was not raised")
+
+    def unhandled(signum, frame):  # the sweep's own handler not in place: fail, not die
+        raise AssertionError(f"{signal.Signals(signum).name} reached no handler of the sweep")
+
+    monkeypatch.setattr(cli, "_check_runs", check_runs)
+    before = {s: signal.getsignal(s) for s in SIGNALS}
+    try:
+        signal.signal(sig, unhandled)
+        assert sweep_main(["--recipe", "from-scratch", "--grid", "lr=1e-3", "--runs-root",
+                           str(tmp_path / "runs"), "--no-progress", *TINY]) == code
+    finally:
+        for s, h in before.items():  # a stop leaves them ignored until the process exits
+            signal.signal(s, h)
+    assert capsys.readouterr().err == (f"toymlx-sweep: {line} before any run started; nothing "
+                                       "was run\n")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_an_empty_sweep_id_is_refused_not_replaced_by_the_hashed_one(tmp_path, capsys):
     """`--sweep-id ""` (`--sweep-id "$ID"` with ID unset) ran the sweep under the id toymlx
     makes when none is given, unsaid."""
