@@ -89,6 +89,10 @@ def test_parse_axis_types_values_by_the_recipe():
     assert sweep.parse_axis("lr=log:1e-4:1e-2")[1] == sweep.LogUniform(1e-4, 1e-2)
     with pytest.raises(ValueError, match="expected an integer"):
         sweep.parse_axis("steps=1.5", "from-scratch")
+    # a value given twice named neither the --grid nor the value as typed
+    with pytest.raises(ValueError) as e:
+        sweep.parse_axis("lr=1e-3,3e-3,0.001", "from-scratch")
+    assert str(e.value) == "--grid 'lr=1e-3,3e-3,0.001': expected distinct values, found 0.001 twice"
     # an empty value read as "--grid lr=: expected a number", the text typed not named
     for text in ("lr=1e-3,,3e-3", "lr=1e-3,", "lr="):
         with pytest.raises(ValueError) as e:
@@ -1240,6 +1244,7 @@ def test_an_option_spelt_with_hyphens_or_underscores_is_one_sweep(tmp_path):
     ("grid: {lr: 0.001}", ("key 'grid.lr': expected a list of values or a \"log:LO:HI\" range, "
      "found 0.001")),
     ("grid: {lr: [1e-3, fast]}", "key 'grid.lr': expected a number, found \"fast\""),
+    ("grid: {lr: [1e-3, 0.001]}", "key 'grid.lr': expected distinct values, found 0.001 twice"),
     # a file's number named as the file holds it (it was 'expected a int, found "32.5"')
     ("grid: {model.d_model: [32, 32.5]}", ("key 'grid.model.d_model': expected an integer, "
      "found 32.5")),

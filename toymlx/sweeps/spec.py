@@ -254,7 +254,18 @@ def parse_axis(text: str, recipe: str | None = None) -> tuple[str, Any]:
     m = RANGE.fullmatch(vals.strip())
     if m:
         return key, parse_range(*m.groups(), where=f"--grid {text!r}", integer=_takes_int(t))
-    return key, [_parse_value(v.strip(), t, key) for v in vals.split(",")]
+    return key, _distinct([_parse_value(v.strip(), t, key) for v in vals.split(",")],
+                          f"--grid {text!r}")
+
+
+def _distinct(values: list[Any], where: str) -> list[Any]:
+    """`values`, or ValueError starting with `where` naming one given twice (`lr=1e-3,0.001`:
+    it was "sweep: values {'lr': 0.001} and {'lr': 0.001} give the same run name")."""
+    for i, v in enumerate(values):
+        if v in values[:i]:
+            raise ValueError(f"{where}: expected distinct values, found "
+                             f"{report.value_text(v)} twice")
+    return values
 
 
 def file_axis(key: str, values: Any, recipe: str | None, where: str) -> Any:
@@ -271,7 +282,8 @@ def file_axis(key: str, values: Any, recipe: str | None, where: str) -> Any:
         raise ValueError(f'{where}: expected a list of values or a "log:LO:HI" range, found '
                          f"{json.dumps(values)}")
     t = types.get(_norm_key(key))
-    return [_parse_value(_arg_str(v), t, key, where, json.dumps(v)) for v in values]
+    return _distinct([_parse_value(_arg_str(v), t, key, where, json.dumps(v)) for v in values],
+                     where)
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number"}
