@@ -265,10 +265,12 @@ def _main(argv: list[str] | None) -> int | Callable[[], int]:
     from toymlx_cli.config_file import (
         check_sweep_typos,
         defaults_from_file,
+        file_key_error,
         is_run_config,
         read_config_file,
         split_config,
         sweep_config,
+        sweep_file_flags,
     )
     from toymlx_cli.mlx_lm_config import is_mlx_lm_config
 
@@ -286,12 +288,14 @@ def _main(argv: list[str] | None) -> int | Callable[[], int]:
     parser = _parser()
     file_grid: dict = {}
     run_options, run_config, mlx_lm = None, False, False
+    keys: dict[str, str] = {}  # the sweep's flags its -c file set: a refusal names the key
     try:
         path, argv = split_config(argv)
         if path is not None:
             data = read_config_file(path)
             run_config = is_run_config(data, path)
             file_grid, run_options = sweep_config(parser, data, path)
+            keys = sweep_file_flags(parser, data, argv)
             # mlx-lm's lora config (its runs' keys), read as toymlx-train -c reads it, unless a
             # recipe other than lora is asked for (then refused as toymlx-train refuses it)
             mlx_lm = not run_config and is_mlx_lm_config(run_options, "recipe" in data)
@@ -352,14 +356,19 @@ def _main(argv: list[str] | None) -> int | Callable[[], int]:
             print(f"toymlx-sweep: {note}", file=sys.stderr)
         shard = _shard(args.shard)
     except (ValueError, OSError) as e:
-        print(f"toymlx-sweep: error: {e}", file=sys.stderr)
+        print(f"toymlx-sweep: error: {file_key_error(str(e), keys, path)}", file=sys.stderr)
         return 2
-    return partial(_sweep, args, specs, shard, run_options, inputs, path, run_config, notes)
+    return partial(_sweep, args, specs, shard, run_options, inputs, path, run_config, notes,
+                   keys)
 
 
 def _sweep(args: argparse.Namespace, specs: list, shard: tuple[int, int], run_options: dict | None,
-           inputs: list, path: str | None, run_config: bool, notes: list[str]) -> int:
-    """Run the sweep `_main` checked; its exit status."""
+           inputs: list, path: str | None, run_config: bool, notes: list[str],
+           keys: dict[str, str]) -> int:
+    """Run the sweep `_main` checked (`keys`: the sweep's flags its -c file set); its exit
+    status."""
+    from toymlx_cli.config_file import file_key_error
+
     from toymlx import sweeps as sweep
     from toymlx.backend.stop import stop_outcome
 
@@ -370,7 +379,7 @@ def _sweep(args: argparse.Namespace, specs: list, shard: tuple[int, int], run_op
                                  run_options=run_options, inputs=inputs, config_file=path,
                                  run_config=run_config, said=notes)
     except (ValueError, OSError) as e:
-        print(f"toymlx-sweep: error: {e}", file=sys.stderr)
+        print(f"toymlx-sweep: error: {file_key_error(str(e), keys, path)}", file=sys.stderr)
         return 2
     if "interrupted" in result.states.values() or result.signal:
         return stop_outcome(result.signal)[1]  # 128 + the signal's number (Ctrl-C: 130)

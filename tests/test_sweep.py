@@ -1265,6 +1265,12 @@ def test_an_option_spelt_with_hyphens_or_underscores_is_one_sweep(tmp_path):
     ("grid: [lr=1e-3]", ("key 'grid': expected a mapping of option: [values] or \"log:LO:HI\", "
      "found [\"lr=1e-3\"]")),
     ("grid: {lr: [1e-3]}\nworkers: two", "key 'workers': expected an integer, found \"two\""),
+    # a value of the sweep's own key refused later named the flag, not the file's key
+    ("grid: {lr: [1e-3]}\nworkers: 0", "key 'workers': expected >= 1, found 0"),
+    ("grid: {lr: [1e-3]}\nshard: 2/2", "key 'shard': expected I/N with 0 <= I < N, found 2/2"),
+    ("grid: {lr: 'log:1e-4:1e-2'}\nrandom: 0", "key 'random': expected 1..10000 runs, found 0"),
+    ("grid: {lr: [1e-3]}\nsweep-id: a/b", ("key 'sweep-id': expected a single folder name, found "
+     "'a/b'")),
     ("grid: {steps: [2]}\nlr: fast", ("key 'lr': expected a number, found \"fast\" (a string); "
      "fix it, or remove the key to take its default")),
     # a grid key that is also a run option of the file: the grid's values silently won
@@ -1294,6 +1300,19 @@ def test_bad_sweep_files_are_one_line(tmp_path, capsys, text, want):
     assert sweep_main(["-c", str(cfg)]) == 2
     assert error_line(capsys, "toymlx-sweep") == f"toymlx-sweep: error: {cfg}: {want}"
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_sweep_flag_over_its_file_is_named_as_the_flag(tmp_path, capsys):
+    """A refusal names the file's key only where the file set the value: `--workers 0` over
+    the file's `workers: 2` names --workers."""
+    from cli_errors import error_line
+
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text("recipe: from-scratch\ngrid: {lr: [1e-3]}\nworkers: 2\n")
+    assert sweep_main(["-c", str(cfg), "--workers", "0", "--runs-root",
+                       str(tmp_path / "runs")]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        "toymlx-sweep: error: --workers: expected >= 1, found 0")
 
 
 @pytest.mark.parametrize("argv", [[], ["--grid", "lr=1e-3,3e-3"]])
