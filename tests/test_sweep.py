@@ -1467,6 +1467,12 @@ def test_the_best_run_is_named_lowest_loss_or_highest_accuracy_never_a_diverged_
                                                   "good)")
     assert best_line(sort_rows([row("lr=10", "diverged", "val_loss", 2.5, 4),
                                 row("lr=1", "torn", "val_loss", None)])) is None
+    # a runner-up that reads the same to 4 digits: both to the digits that tell them apart
+    # (two lora ranks' val_loss 6.225 and 6.225: "best lora.rank=8", nothing to tell why)
+    close = sort_rows([row("lora.rank=4", "completed", "val_loss", 6.224718, 2),
+                       row("lora.rank=8", "completed", "val_loss", 6.224693, 2)])
+    assert best_line(close) == ("sweep: best lora.rank=8: val_loss 6.22469 at step 2 (lowest of "
+                                "2 completed runs; the next, lora.rank=4, 6.22472)")
 
 
 def test_a_pending_sigkill_marks_a_dying_parent():
