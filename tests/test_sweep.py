@@ -546,7 +546,8 @@ sys.exit(child.returncode)
 def test_a_killed_run_is_said_to_resume_from_its_checkpoints_and_does(tmp_path, capsys):
     """A run killed mid-way (kill -9, the out-of-memory killer): the sweep said "FAILED ...
     killed by SIGKILL" and the table "torn", and nothing said that the same command resumes it
-    from its checkpoints, not from step 0 (the full disk's line said so of its runs alone)."""
+    from its checkpoints, not from step 0 (the full disk's line said so of its runs alone), nor,
+    running it again, that it does."""
     killer = tmp_path / "killer"
     killer.write_text(KILLER.format(python=sys.executable))
     killer.chmod(0o755)
@@ -565,12 +566,16 @@ def test_a_killed_run_is_said_to_resume_from_its_checkpoints_and_does(tmp_path, 
     result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="s", progress=False,
                              report_png=False, retry_failed=False)
     assert result.states == {"lr=0.001": "failed"}
-    assert capsys.readouterr().err.endswith(
-        "sweep: lr=0.001: its checkpoints are intact: run the command again without "
-        "--no-retry-failed; it resumes from them\n")
+    err = capsys.readouterr().err
+    # the first line says what the sweep does with it (with --no-progress, nothing else did)
+    first = f"sweep {tmp_path / 's'}: 1 run, 1 on this shard (0/1), 1 worker; 1 "
+    assert err.splitlines()[0] == first + "failed before, reported (--no-retry-failed)"
+    assert err.endswith("sweep: lr=0.001: its checkpoints are intact: run the command again "
+                        "without --no-retry-failed; it resumes from them\n")
     result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="s", progress=False,
                              report_png=False)
     assert result.states == {"lr=0.001": "done"}
+    assert capsys.readouterr().err.splitlines()[0] == first + "to resume from their checkpoints"
     assert [ev["from_step"] for ev in read_events(run) if ev["kind"] == "resume"] == [saved[-1]]
 
 

@@ -116,6 +116,18 @@ def _recorded(sweep_dir: Path, r: SweptRun, key: str = "state") -> Any:
         return None
 
 
+def next_step(sweep_dir: Path, r: SweptRun, retry_failed: bool) -> str:
+    """What running the sweep does with run `r` now: "skip" (completed or diverged), "report"
+    (failed, with `retry_failed` off), "resume" (`resumes`) or "start" (new, failed, or stopped
+    before its first checkpoint: started over)."""
+    state = run_state(r.dir)
+    if state in ("completed", "diverged"):
+        return "skip"
+    if not retry_failed and (state == "failed" or _recorded(sweep_dir, r) == "failed"):
+        return "report"
+    return "resume" if resumes(r.dir) else "start"
+
+
 def _last_error(log: Path) -> str | None:
     try:
         lines = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
@@ -250,21 +262,20 @@ class _Runner:
     def _start(self, r: SweptRun) -> None:
         if not self._claim(r):
             return
-        state = run_state(r.dir)
-        if state in ("completed", "diverged"):
+        step = next_step(self.sweep_dir, r, self.retry_failed)
+        if step == "skip":
             r.state = "skipped"
             r.absorb(read_events(r.dir))
             r.wall = report.summarize_run(r.dir)["wall_s"]
             r.release()
             return
-        failed = state == "failed" or _recorded(self.sweep_dir, r) == "failed"
-        if not self.retry_failed and failed:
+        if step == "report":
             r.state = "failed"  # as recorded by the bundle, or by the sweep if it has none
             r.absorb(read_events(r.dir))
             r.message = r.message or _recorded(self.sweep_dir, r, "message")
             r.release()
             return
-        if resumes(r.dir):
+        if step == "resume":
             r.action = "resume"
             cmd = ["--resume", str(r.dir), "--no-progress"]
         else:  # new, failed, or stopped before its first checkpoint: start (over)
@@ -421,12 +432,16 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
                 {"recipe": recipe, "config": run_options} if run_config else run_options,
                 indent=1))
     # said up front: with --no-progress, a sweep run again printed the same table as the
-    # first time, nothing telling that no run was run
-    done = sum(run_state(sweep_dir / s.name) in ("completed", "diverged") for s in mine)
+    # first time, nothing telling that no run was run (nor, continued after a Ctrl-C, that
+    # its runs go on from their checkpoints, not from step 0)
+    runs = [SweptRun(s, sweep_dir / s.name) for s in mine]
+    steps = [next_step(sweep_dir, r, retry_failed) for r in runs]
+    said = {"skip": "finished before, skipped", "resume": "to resume from their checkpoints",
+            "report": "failed before, reported (--no-retry-failed)"}
     stream.write(f"sweep {sweep_dir}: {counted(len(specs), 'run')}, {len(mine)} on this shard "
                  f"({shard[0]}/{shard[1]}), {counted(workers, 'worker')}"
-                 + (f"; {done} finished before, skipped" if done else "") + "\n")
-    runs = [SweptRun(s, sweep_dir / s.name) for s in mine]
+                 + "".join(f"; {steps.count(k)} {v}" for k, v in said.items() if k in steps)
+                 + "\n")
     runner = _Runner(recipe, sweep_dir, runs, workers, retry_failed, busy_wait,
                      python or sys.executable, LiveView(stream, progress, heartbeat), stream,
                      options_file, said, config_file)
