@@ -691,7 +691,35 @@ def sweep_config(parser: argparse.ArgumentParser, data: dict[str, Any], path: st
                                   "remove it")
         else:
             runs[key] = value
+    # the grid's values went to the runs as flags over the file's own value, which was
+    # silently unused (on the command line, `--grid lr=... --lr 0.01` is refused)
+    values, spelled = _flatten_spelled(runs, path)
+    for key in grid:
+        if key in values:
+            raise ConfigFileError(f"{path}: keys {spelled[key]!r} and 'grid.{key}': expected "
+                                  f"{_flag(key)} once, as every run's option or in the grid, "
+                                  f"found both ({json.dumps(values[key], default=str)} and "
+                                  f"{json.dumps(grid[key], default=str)}); keep one")
     return grid, runs
+
+
+def sweep_file_flags(parser: argparse.ArgumentParser, data: dict[str, Any], argv: list[str]
+                     ) -> dict[str, str]:
+    """{flag: the file's key} of the sweep's own options (not its grid) a -c file sets and
+    `argv` does not give over it, for `file_key_error`: a later check's line names the file's
+    key (`sweep.yaml: key 'workers': expected >= 1, found 0`; it named --workers, a flag not
+    typed)."""
+    table = _parser_table(parser)
+    given = {a.partition("=")[0] for a in argv if a.startswith("--")}
+    out: dict[str, str] = {}
+    for key in data:
+        name = _norm(str(key))
+        action = table.get(name)
+        if (action is None or name in SWEEP_RUN_KEYS or name == "grid"
+                or given & set(action.option_strings)):
+            continue
+        out.update(dict.fromkeys(action.option_strings, str(key)))
+    return out
 
 
 WANDB_PARAMETER_KEYS = {"values", "value", "min", "max", "distribution"}

@@ -7,6 +7,7 @@ import argparse
 import os
 import re
 import sys
+from collections.abc import Callable
 from functools import partial
 
 from toymlx_cli import VersionAction, console_streams, output_may_close, readable_width
@@ -240,26 +241,41 @@ def main(argv: list[str] | None = None) -> int:
     # `2>&1 | head -3`: the rest of the output is discarded, and the sweep stops as on Ctrl-C
     # (its runs checkpoint; summary and report written; exit 141); `| head -3` alone reads
     # stdout, which has only the final table
+    from toymlx.backend.stop import SIGNALS, how_stopped, stops_raise
+
     if argv is None:  # the console script
         console_streams()
     with output_may_close():
-        return _main(argv)
+        # Ctrl-C (a kill, a closed terminal) while the runs are checked (a lora run's examples
+        # read: seconds) ended in a traceback; the sweep, once begun, counts them itself
+        try:
+            with stops_raise(SIGNALS):
+                checked = _main(argv)
+        except KeyboardInterrupt as e:
+            what, code = how_stopped(e)
+            print(f"toymlx-sweep: {what} before any run started; nothing was run",
+                  file=sys.stderr)
+            return code
+        return checked if isinstance(checked, int) else checked()
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None) -> int | Callable[[], int]:
+    """The sweep's options read and every run's checked: its exit status where they are
+    refused, else the sweep to run (`_sweep`)."""
     from toymlx_cli.config_file import (
         check_sweep_typos,
         defaults_from_file,
+        file_key_error,
         is_run_config,
         read_config_file,
         split_config,
         sweep_config,
+        sweep_file_flags,
     )
     from toymlx_cli.mlx_lm_config import is_mlx_lm_config
 
     from toymlx import sweeps as sweep
     from toymlx.backend.device import restart_with_huge_pages
-    from toymlx.backend.stop import stop_outcome
     from toymlx.recipes import RECIPES, get_recipe
 
     if argv is None:  # the console script: its runs inherit the huge-page heap setting
@@ -272,12 +288,14 @@ def _main(argv: list[str] | None) -> int:
     parser = _parser()
     file_grid: dict = {}
     run_options, run_config, mlx_lm = None, False, False
+    keys: dict[str, str] = {}  # the sweep's flags its -c file set: a refusal names the key
     try:
         path, argv = split_config(argv)
         if path is not None:
             data = read_config_file(path)
             run_config = is_run_config(data, path)
             file_grid, run_options = sweep_config(parser, data, path)
+            keys = sweep_file_flags(parser, data, argv)
             # mlx-lm's lora config (its runs' keys), read as toymlx-train -c reads it, unless a
             # recipe other than lora is asked for (then refused as toymlx-train refuses it)
             mlx_lm = not run_config and is_mlx_lm_config(run_options, "recipe" in data)
@@ -316,8 +334,9 @@ def _main(argv: list[str] | None) -> int:
                                f"toymlx-train --recipe {args.recipe}")
         axes = _axes(args, file_grid, path, mlx_lm)
         if not axes:
+            # a run's config.json holds no grid: "or a grid in runs/x/config.json" misled
             raise ValueError("--grid: expected at least one KEY=V1,V2 (e.g. --grid lr=1e-4,3e-4)"
-                             + (f" or a grid in {path}" if path else ""))
+                             + (f" or a grid in {path}" if path and not run_config else ""))
         if args.random is None:
             ranged = [k for k, v in axes.items() if not isinstance(v, list)]
             if ranged:
@@ -327,18 +346,40 @@ def _main(argv: list[str] | None) -> int:
         else:
             specs = sweep.random(passthrough, axes, args.random, args.seed or 0,
                                  recipe=args.recipe)
+            if len(specs) < args.random:  # the first line's "2 runs" alone, where 5 were asked
+                print(f"toymlx-sweep: --random {args.random}: drew {len(specs)} distinct runs, "
+                      f"not {args.random}: the grid holds no more; running the {len(specs)}",
+                      file=sys.stderr)
         inputs, notes = _check_runs(args.recipe, specs, run_options, path, run_config,
                                     args.runs_root, mlx_lm)
         for note in notes:  # as each run's toymlx-train says them (its log, naming the copy)
             print(f"toymlx-sweep: {note}", file=sys.stderr)
-        result = sweep.run_sweep(args.recipe, specs, args.runs_root, args.workers,
-                                 _shard(args.shard), args.sweep_id,
-                                 retry_failed=not args.no_retry_failed,
+        shard = _shard(args.shard)
+    except (ValueError, OSError) as e:
+        print(f"toymlx-sweep: error: {file_key_error(str(e), keys, path)}", file=sys.stderr)
+        return 2
+    return partial(_sweep, args, specs, shard, run_options, inputs, path, run_config, notes,
+                   keys)
+
+
+def _sweep(args: argparse.Namespace, specs: list, shard: tuple[int, int], run_options: dict | None,
+           inputs: list, path: str | None, run_config: bool, notes: list[str],
+           keys: dict[str, str]) -> int:
+    """Run the sweep `_main` checked (`keys`: the sweep's flags its -c file set); its exit
+    status."""
+    from toymlx_cli.config_file import file_key_error
+
+    from toymlx import sweeps as sweep
+    from toymlx.backend.stop import stop_outcome
+
+    try:
+        result = sweep.run_sweep(args.recipe, specs, args.runs_root, args.workers, shard,
+                                 args.sweep_id, retry_failed=not args.no_retry_failed,
                                  progress=not args.no_progress, report_png=not args.no_report,
                                  run_options=run_options, inputs=inputs, config_file=path,
                                  run_config=run_config, said=notes)
     except (ValueError, OSError) as e:
-        print(f"toymlx-sweep: error: {e}", file=sys.stderr)
+        print(f"toymlx-sweep: error: {file_key_error(str(e), keys, path)}", file=sys.stderr)
         return 2
     if "interrupted" in result.states.values() or result.signal:
         return stop_outcome(result.signal)[1]  # 128 + the signal's number (Ctrl-C: 130)

@@ -272,6 +272,25 @@ def test_toymlx_report_alone_reports_the_runs_folder_here(tmp_path, capsys, monk
     assert (tmp_path / "r.html").is_file()
 
 
+def test_a_parameter_column_gives_each_value_as_the_runs_name_does(tmp_path):
+    """A sweep's data.val_fraction=0.1,0.999999: the table's column read 0.1 and 1 (4 digits),
+    its run named data.val_fraction=0.999999; now each value as its run's name gives it, in
+    the printed table and the drawn and HTML ones (`table_texts`), the figures still to 4."""
+    rows = [{"run": f"data.val_fraction={v}", "path": str(tmp_path / str(v)),
+             "params": {"data.val_fraction": v, "lr": lr}, "status": "completed", "step": 2,
+             "final_loss": 5.1454315, "metric": "val_loss", "best": 4.9, "best_step": 2,
+             "final": 4.9, "throughput": 1131.98, "unit": "tokens/s", "wall_s": 0.55}
+            for v, lr in ((0.1, 1e8), (0.999999, 0.000123456), (0.5, None))]
+    params = ["data.val_fraction", "lr"]
+    assert [row[1:3] for row in report.table_texts(*report.table_rows(rows, params), params)] == [
+        ["0.1", "1e+08"], ["0.999999", "0.000123456"], ["0.5", "-"]]
+    assert [line.split()[:4] for line in report.format_table(rows, params).splitlines()[2:]] == [
+        ["data.val_fraction=0.1", "0.1", "1e+08", "completed"],
+        ["data.val_fraction=0.999999", "0.999999", "0.000123456", "completed"],
+        ["data.val_fraction=0.5", "0.5", "-", "completed"]]
+    assert report.value_text(0.1 + 0.2) == "0.30000000000000004"  # exact: no two runs one text
+
+
 def test_the_table_lines_up_numbers_and_keeps_the_csv_exact(tmp_path):
     """The printed table left-aligned numbers at 4 significant digits each (5.145 over 4.9,
     1132 over 931.4, wall_s 0.55 over 0.9); now a measured column shows one number of decimals

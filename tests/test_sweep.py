@@ -58,8 +58,17 @@ def test_grid_flags_names_and_order():
 def test_grid_rejects_bad_keys_and_clashes():
     with pytest.raises(ValueError, match="--grid lora.rank: expected an option of recipe"):
         sweep.grid([], {"lora.rank": [4]}, recipe="from-scratch")
-    with pytest.raises(ValueError, match="--lr: given both"):
-        sweep.grid(["--lr", "0.1"], {"lr": [1e-3]})
+    # named neither the --grid nor the value given ("--lr: given both as a fixed option and
+    # in the sweep; keep one")
+    for base, given in ((["--lr", "0.1", "--steps", "2"], "--lr 0.1"), (["--lr=0.1"], "--lr=0.1")):
+        with pytest.raises(ValueError) as e:
+            sweep.grid(base, {"lr": [1e-3]})
+        assert str(e.value) == ("--grid lr: expected --lr in the grid or among every run's "
+                                f"options, found it in both ({given}); keep one")
+    with pytest.raises(ValueError) as e:
+        sweep.random(["--steps", "2", "--no-compile"], {"compile": [True, False]}, 2)
+    assert str(e.value) == ("--grid compile: expected --compile in the grid or among every "
+                            "run's options, found it in both (--no-compile); keep one")
     with pytest.raises(ValueError, match="--run-id: the sweep sets this"):
         sweep.grid(["--run-id", "x"], {"lr": [1e-3]})
     with pytest.raises(ValueError, match="same run name"):
@@ -80,6 +89,16 @@ def test_parse_axis_types_values_by_the_recipe():
     assert sweep.parse_axis("lr=log:1e-4:1e-2")[1] == sweep.LogUniform(1e-4, 1e-2)
     with pytest.raises(ValueError, match="expected an integer"):
         sweep.parse_axis("steps=1.5", "from-scratch")
+    # a value given twice named neither the --grid nor the value as typed
+    with pytest.raises(ValueError) as e:
+        sweep.parse_axis("lr=1e-3,3e-3,0.001", "from-scratch")
+    assert str(e.value) == "--grid 'lr=1e-3,3e-3,0.001': expected distinct values, found 0.001 twice"
+    # an empty value read as "--grid lr=: expected a number", the text typed not named
+    for text in ("lr=1e-3,,3e-3", "lr=1e-3,", "lr="):
+        with pytest.raises(ValueError) as e:
+            sweep.parse_axis(text, "from-scratch")
+        assert str(e.value) == (f"--grid {text!r}: expected KEY=V1,V2,... with no empty value "
+                                "(e.g. lr=1e-4,3e-4)")
 
 
 def test_random_is_deterministic_distinct_and_bounded():
@@ -277,27 +296,49 @@ def test_the_live_line_says_what_a_running_run_does():
 def test_the_runs_notes_are_said_once_each_naming_the_run_up_to_a_cap(tmp_path):
     """A run's notes (rows cut at --seq-len, a warm-up longer than --steps) reached only its
     log: the user watching the sweep never saw them. Now each distinct note is said once,
-    naming the first run that said it; not a step's line, nor a run's refusal or last line
-    (the sweep reports those), nor a note the sweep said before its runs; after `shown`
-    notes, one line names the logs."""
+    numbered, naming the first run that said it; not a step's line, nor a run's refusal or
+    last line (the sweep reports those), nor a note the sweep said before its runs; after
+    `shown` notes, one line names the logs; at the end, by its number, which runs said each
+    (only the first was named: one run's note read as every run's)."""
     import io
 
     from toymlx.sweeps.live import LiveView, RunNotes, SweptRun
 
-    cut = "toymlx: data/train.jsonl: train: of 80 examples, 3 cut to their first 257 tokens"
+    cut = ("toymlx: data/train.jsonl: train: of 80 examples, 3 cut to their first 257 tokens "
+           "(--seq-len 256)")
     notes = RunNotes(tmp_path / "logs", said=["data: no valid.jsonl: ..."], shown=2)
     assert notes.lines("lr=0.001", [
         "step 2/10: train loss 5.5270, lr 3.000e-04", cut, "toymlx: data: no valid.jsonl: ...",
         "toymlx-train: error: training split: expected at least 33 tokens",
         "toymlx: completed at step 10. held-out: val_loss 5.4711. bundle: runs/s/lr=0.001",
         "toymlx-train: interrupted before the first step; nothing was trained", cut]) == [
-        f"sweep: lr=0.001: {cut}"]
+        f"sweep: note 1 (lr=0.001): {cut}"]
     assert notes.lines("lr=0.003", [cut, "toymlx-train: --warmup 20 ... --lr 0.003",
                                     "toymlx: warning: TOYMLX_BLAS ...",
                                     "toymlx-train: --warmup 20 ... --lr 0.01"]) == [
-        "sweep: lr=0.003: toymlx-train: --warmup 20 ... --lr 0.003",
+        "sweep: note 2 (lr=0.003): toymlx-train: --warmup 20 ... --lr 0.003",
         f"sweep: more than 2 notes from the runs: the rest are in their logs ({tmp_path / 'logs'})"]
     assert notes.lines("lr=0.01", ["toymlx: another note"]) == []
+    # at the end, which runs said each note shown: a later run's repeat was named nowhere
+    assert notes.lines("lr=0.01", [cut, cut, "toymlx-train: --warmup 20 ... --lr 0.003"]) == []
+    assert notes.said_by(["lr=0.001", "lr=0.003", "lr=0.01"]) == [
+        "sweep: note 1 was said by every run started (3)",
+        "sweep: note 2 was said by 2 of the 3 runs started: lr=0.003, lr=0.01"]
+    assert notes.said_by(["lr=0.001", "lr=0.003", "lr=0.01", "lr=0.1", "lr=1", "lr=10"],
+                         names=2) == [
+        "sweep: note 1 was said by 3 of the 6 runs started: lr=0.001, lr=0.003, and 1 more",
+        "sweep: note 2 was said by 2 of the 6 runs started: lr=0.003, lr=0.01"]
+    assert notes.said_by(["lr=0.001"]) == []  # one run: its line named it
+    # a run's note of run-options.json is the sweep's of the -c file it copies, said before
+    # the runs (mlx-lm's `key 'adapter_path': not used` was said twice, once naming each)
+    said = "mlx_lm_lora.yaml: key 'adapter_path': not used (--runs-root ...)"
+    notes = RunNotes(tmp_path / "logs", said=[said],
+                     copies={"runs/s/run-options.json": "mlx_lm_lora.yaml"})
+    assert notes.lines("lr=1e-05", [
+        "toymlx-train: runs/s/run-options.json: key 'adapter_path': not used (--runs-root ...)",
+        "toymlx-train: runs/s/run-options.json: key 'iters': another note"]) == [
+        ("sweep: note 1 (lr=1e-05): toymlx-train: runs/s/run-options.json: key 'iters': "
+         "another note")]
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -376,8 +417,8 @@ def test_sweep_of_four_runs_completes_skips_on_restart_and_summary_matches(tmp_p
 
 def test_a_note_a_run_says_in_its_log_is_said_by_the_sweep_once(tmp_path, capsys):
     """Both runs say the same note in their logs (the recipe's --warmup 20 is longer than
-    --steps 2): the sweep says it once, naming the run that said it first; before, it was in
-    the logs alone."""
+    --steps 2): the sweep says it once, naming the run that said it first (before, it was in
+    the logs alone), and at the end that both said it."""
     argv = ["--recipe", "from-scratch", "--grid", "model.ffn_dim=32,64", "--runs-root",
             str(tmp_path), "--sweep-id", "n", "--no-progress", "--no-report", *TINY,
             "--steps", "2"]
@@ -387,8 +428,9 @@ def test_a_note_a_run_says_in_its_log_is_said_by_the_sweep_once(tmp_path, capsys
     warmup = [x for x in (logs / "model.ffn_dim=32.log").read_text().splitlines()
               if x.startswith("toymlx-train: --warmup 20 (the recipe's default) is longer")]
     assert len(warmup) == 1 and warmup[0] in (logs / "model.ffn_dim=64.log").read_text()
-    assert [x for x in err if x.startswith("sweep: model.ffn_dim=")
-            and ": toymlx" in x] == [f"sweep: model.ffn_dim=32: {warmup[0]}"]
+    assert [x for x in err if x.startswith("sweep: note ")] == [
+        f"sweep: note 1 (model.ffn_dim=32): {warmup[0]}",
+        "sweep: note 1 was said by every run started (2)"]  # and at the end, that both said it
 
 
 def test_failing_run_is_reported_and_the_others_complete(tmp_path, capsys):
@@ -472,14 +514,69 @@ def test_a_run_a_full_disk_failed_is_resumed_from_its_checkpoint(tmp_path, capsy
             "--sweep-id", "s", "--no-progress", "--no-report", *args]
     assert sweep_main([*argv, "--no-retry-failed"]) == 1
     assert (f"sweep: {run.name}: its checkpoints are intact: free space (or make the folder "
-            "writable) and run the same command again; it resumes from them\n"
-            ) in capsys.readouterr().err
+            "writable) and run the command again without --no-retry-failed; it resumes from "
+            "them\n") in capsys.readouterr().err
     assert sweep_main(argv) == 0
     assert "resume: toymlx-train --resume" in (tmp_path / "s" / "logs" / f"{run.name}.log"
                                                ).read_text()
     events = read_events(run)
     assert [ev["from_step"] for ev in events if ev["kind"] == "resume"] == [4]
     assert [ev["step"] for ev in events if ev["kind"] == "step"] == list(range(1, 11))
+
+
+KILLER = """#!{python}
+# the sweep's python: runs its toymlx-train child, and kills it and itself (kill -9, as the
+# out-of-memory killer does) once the run has written its second checkpoint
+import os, signal, subprocess, sys, time
+from pathlib import Path
+args = sys.argv[1:]
+run = Path(args[args.index("--runs-root") + 1]) / args[args.index("--run-id") + 1]
+child = subprocess.Popen([{python!r}, *args])
+while child.poll() is None:
+    events = run / "events.jsonl"
+    if events.is_file() and events.read_text().count('"kind": "checkpoint"') >= 2:
+        child.kill()
+        child.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.02)
+sys.exit(child.returncode)
+"""
+
+
+def test_a_killed_run_is_said_to_resume_from_its_checkpoints_and_does(tmp_path, capsys):
+    """A run killed mid-way (kill -9, the out-of-memory killer): the sweep said "FAILED ...
+    killed by SIGKILL" and the table "torn", and nothing said that the same command resumes it
+    from its checkpoints, not from step 0 (the full disk's line said so of its runs alone), nor,
+    running it again, that it does."""
+    killer = tmp_path / "killer"
+    killer.write_text(KILLER.format(python=sys.executable))
+    killer.chmod(0o755)
+    specs = sweep.grid([*TINY, "--steps", "60", "--checkpoint-every", "2"], {"lr": [1e-3]},
+                       recipe="from-scratch")
+    run = tmp_path / "s" / "lr=0.001"
+    result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="s", progress=False,
+                             report_png=False, python=str(killer))
+    assert result.states == {"lr=0.001": "failed"}
+    saved = [ev["step"] for ev in read_events(run) if ev["kind"] == "checkpoint"]
+    assert len(saved) >= 2 and saved[-1] < 60
+    err = capsys.readouterr().err
+    assert "sweep: FAILED lr=0.001: killed by SIGKILL" in err
+    assert err.endswith("sweep: lr=0.001: its checkpoints are intact: run the same command "
+                        "again; it resumes from them\n")
+    result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="s", progress=False,
+                             report_png=False, retry_failed=False)
+    assert result.states == {"lr=0.001": "failed"}
+    err = capsys.readouterr().err
+    # the first line says what the sweep does with it (with --no-progress, nothing else did)
+    first = f"sweep {tmp_path / 's'}: 1 run, 1 on this shard (0/1), 1 worker; 1 "
+    assert err.splitlines()[0] == first + "failed before, reported (--no-retry-failed)"
+    assert err.endswith("sweep: lr=0.001: its checkpoints are intact: run the command again "
+                        "without --no-retry-failed; it resumes from them\n")
+    result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="s", progress=False,
+                             report_png=False)
+    assert result.states == {"lr=0.001": "done"}
+    assert capsys.readouterr().err.splitlines()[0] == first + "to resume from their checkpoints"
+    assert [ev["from_step"] for ev in read_events(run) if ev["kind"] == "resume"] == [saved[-1]]
 
 
 def test_a_run_s_record_a_full_disk_refuses_does_not_end_the_sweep(tmp_path, capsys,
@@ -620,12 +717,15 @@ def test_a_changed_sweep_under_the_same_id_is_refused_naming_the_changed_keys(tm
     assert sweep_main(["-c", str(cfg)]) == 2
     assert error_line(capsys, "toymlx-sweep") == (
         f"toymlx-sweep: error: {root}: --sweep-id s: expected the options this sweep was "
-        "started with, found model.n_layers, steps changed; give a new --sweep-id to run the "
-        "changed sweep, or put them back")
+        "started with, found model.n_layers (2 now, 1 when the sweep started), steps (3 now, 2 "
+        "when the sweep started) changed; give a new --sweep-id to run the changed sweep, or put "
+        "them back")
     assert {p: p.read_bytes() for p in kept} == kept
     # a flag that changes every run's options, under the same id
     assert sweep_main(["-c", str(cfg), "--sweep-id", "s", "--", "--warmup", "1"]) == 2
-    assert "found model.n_layers, steps, --warmup changed" in error_line(capsys, "toymlx-sweep")
+    assert ("found model.n_layers (2 now, 1 when the sweep started), steps (3 now, 2 when the "
+            "sweep started), --warmup (1 now, not given when the sweep started) changed"
+            ) in error_line(capsys, "toymlx-sweep")
     # more values in the grid add runs; the runs already there are the same
     cfg.write_text(text.replace("[1e-3]", "[1e-3, 2e-3]"))
     assert sweep_main(["-c", str(cfg)]) == 0
@@ -678,6 +778,39 @@ def test_another_grid_under_the_same_id_is_refused_naming_both_grids(tmp_path, c
     # more values of the same key add a run to the same sweep
     assert sweep_main(["--grid", "lr=1e-3,3e-3", *flags]) == 0
     assert [r["name"] for r in _sweep_json(root)["runs"]] == ["lr=0.001", "lr=0.003"]
+
+
+def test_a_folder_of_two_grids_mixed_by_an_earlier_toymlx_is_refused_naming_each(tmp_path,
+                                                                                capsys):
+    """An earlier toymlx ran another grid's runs into a sweep folder (`--grid lr=...`, then
+    `--grid model.ffn_dim=...` under one --sweep-id; its sweep.json merged both). Since that is
+    refused, either grid run again there went on all the same, the two still in one table and
+    report. Now either is refused, naming each grid's runs and what to do; nothing written."""
+    from cli_errors import error_line
+
+    from toymlx.sweeps.spec import write_sweep_file
+
+    root = tmp_path / "s"
+    root.mkdir()
+    # what the old toymlx wrote: each start's runs merged into the record
+    write_sweep_file(root, "from-scratch", sweep.grid(
+        TINY, {"lr": [1e-3, 3e-3, 1e-2, 3e-2, 0.1]}, recipe="from-scratch"))
+    write_sweep_file(root, "from-scratch", sweep.grid(
+        TINY, {"model.ffn_dim": [32]}, recipe="from-scratch"))
+    record = (root / "sweep.json").read_bytes()
+    flags = ["--recipe", "from-scratch", "--runs-root", str(tmp_path), "--sweep-id", "s",
+             "--no-progress", "--no-report", *TINY]
+    for grid in ("lr=1e-3,3e-3", "model.ffn_dim=32", "seed=1,2"):
+        capsys.readouterr()
+        assert sweep_main(["--grid", grid, *flags]) == 2
+        assert error_line(capsys, "toymlx-sweep") == (
+            f"toymlx-sweep: error: {root / 'sweep.json'}: expected the runs of one grid, found "
+            "2 grids' runs mixed in one sweep folder by an earlier toymlx (lr: lr=0.001, "
+            "lr=0.003, lr=0.01, lr=0.03, and 1 more; model.ffn_dim: model.ffn_dim=32); give a "
+            "new --sweep-id to run a grid in a folder of its own (the runs here stay as they "
+            f"are: toymlx-report {root} shows them)")
+    assert (root / "sweep.json").read_bytes() == record
+    assert sorted(p.name for p in root.iterdir()) == [".locks", "sweep.json"]  # no run started
 
 
 def _live_states(stream) -> list[str]:
@@ -942,7 +1075,8 @@ def test_two_sweeps_of_one_id_with_other_options_started_at_once_one_is_refused(
     thread.join(300)
     assert [str(x) for x in outcome] == [
         (f"{root}: --sweep-id s: expected the options this sweep was started with, found "
-         "--steps changed; give a new --sweep-id to run the changed sweep, or put them back")]
+         "--steps (2 now, 3 when the sweep started) changed; give a new --sweep-id to run the "
+         "changed sweep, or put them back")]
     assert (root / "sweep.json").read_bytes() == (made / "sweep.json").read_bytes()
     assert not (root / "lr=0.001").exists()
 
@@ -993,6 +1127,63 @@ compile: false
         losses = [[e["loss"] for e in read_events(tmp_path / sid / name) if e["kind"] == "step"]
                   for sid in ("file", "flags")]
         assert losses[0] == losses[1] and len(losses[0]) == 3
+
+
+@pytest.mark.parametrize("sig, line, code", [
+    (signal.SIGINT, "interrupted", 130), (signal.SIGTERM, "stopped by SIGTERM", 143)])
+def test_a_stop_while_the_runs_are_checked_is_one_line(tmp_path, capsys, monkeypatch, sig,
+                                                          line, code):
+    """Ctrl-C (or a kill) while the sweep checks its runs (a lora run's examples read:
+    seconds) ended in a KeyboardInterrupt traceback, or for a kill, with no line at all; now
+    one line, the signal's exit status, and no sweep folder."""
+    import toymlx_cli.sweep as cli
+
+    from toymlx.backend.stop import SIGNALS
+
+    def check_runs(*args, **kw):
+        os.kill(os.getpid(), sig)  # the signal comes while the runs are checked
+        time.sleep(5)  # not reached: the handler raises at once
+        raise AssertionError("the stop was not raised")
+
+    def unhandled(signum, frame):  # the sweep's own handler not in place: fail, not die
+        raise AssertionError(f"{signal.Signals(signum).name} reached no handler of the sweep")
+
+    monkeypatch.setattr(cli, "_check_runs", check_runs)
+    before = {s: signal.getsignal(s) for s in SIGNALS}
+    try:
+        signal.signal(sig, unhandled)
+        assert sweep_main(["--recipe", "from-scratch", "--grid", "lr=1e-3", "--runs-root",
+                           str(tmp_path / "runs"), "--no-progress", *TINY]) == code
+    finally:
+        for s, h in before.items():  # a stop leaves them ignored until the process exits
+            signal.signal(s, h)
+    assert capsys.readouterr().err == (f"toymlx-sweep: {line} before any run started; nothing "
+                                       "was run\n")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_empty_sweep_id_is_refused_not_replaced_by_the_hashed_one(tmp_path, capsys):
+    """`--sweep-id ""` (`--sweep-id "$ID"` with ID unset) ran the sweep under the id toymlx
+    makes when none is given, unsaid."""
+    from cli_errors import error_line
+
+    assert sweep_main(["--recipe", "from-scratch", "--grid", "lr=1e-3", "--runs-root",
+                       str(tmp_path), "--sweep-id", "", "--no-progress", *TINY]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        "toymlx-sweep: error: --sweep-id: expected a single folder name, found ''")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_random_search_of_fewer_points_than_asked_says_so(tmp_path, capsys):
+    """`--random 5` over a grid of 2 points ran 2 runs, its first line's "2 runs" the only sign
+    that 3 of the 5 asked for were not drawn."""
+    assert sweep_main(["--recipe", "from-scratch", "--random", "5", "--grid", "lr=1e-3,2e-3",
+                       "--runs-root", str(tmp_path), "--sweep-id", "r", "--no-progress",
+                       "--no-report", *TINY, "--steps", "1"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[:2] == [("toymlx-sweep: --random 5: drew 2 distinct runs, not 5: the grid holds "
+                        "no more; running the 2"),
+                       f"sweep {tmp_path / 'r'}: 2 runs, 2 on this shard (0/1), 1 worker"]
 
 
 def test_random_search_from_a_file_draws_what_the_flags_draw(tmp_path):
@@ -1058,6 +1249,7 @@ def test_an_option_spelt_with_hyphens_or_underscores_is_one_sweep(tmp_path):
     ("grid: {lr: 0.001}", ("key 'grid.lr': expected a list of values or a \"log:LO:HI\" range, "
      "found 0.001")),
     ("grid: {lr: [1e-3, fast]}", "key 'grid.lr': expected a number, found \"fast\""),
+    ("grid: {lr: [1e-3, 0.001]}", "key 'grid.lr': expected distinct values, found 0.001 twice"),
     # a file's number named as the file holds it (it was 'expected a int, found "32.5"')
     ("grid: {model.d_model: [32, 32.5]}", ("key 'grid.model.d_model': expected an integer, "
      "found 32.5")),
@@ -1067,14 +1259,31 @@ def test_an_option_spelt_with_hyphens_or_underscores_is_one_sweep(tmp_path):
     ("grid: {lr: [1e-3]}\nworker: 2", ("key 'worker': expected a key of toymlx-sweep or an "
      "option of its runs, found an unknown key; did you mean workers (toymlx-sweep's "
      "--workers)?")),
-    ("grid: {lr: 'log:1e-2:1e-4'}\nrandom: 2", "key 'grid.lr': expected 0 < LO <= HI"),
+    ("grid: {lr: 'log:1e-2:1e-4'}\nrandom: 2", ("key 'grid.lr': expected 0 < LO <= HI, found "
+     "LO 1e-2 and HI 1e-4")),
+    # an integer option's uniform: range was refused as a run's value ('--model.n-layers:
+    # expected an integer or None, got '2.69'), naming no range
+    ("grid: {model.n_layers: 'uniform:1:3'}\nrandom: 2", ("key 'grid.model.n_layers': expected "
+     "int:1:3 (the option takes an integer), found uniform:1:3")),
     ("grid: {lora.rank: [4]}", ("key 'grid.lora.rank': expected an option of recipe from-scratch, "
      "found no option --lora.rank")),
     ("grid: [lr=1e-3]", ("key 'grid': expected a mapping of option: [values] or \"log:LO:HI\", "
      "found [\"lr=1e-3\"]")),
     ("grid: {lr: [1e-3]}\nworkers: two", "key 'workers': expected an integer, found \"two\""),
-    ("grid: {lr: [1e-3]}\nlr: fast", ("key 'lr': expected a number, found \"fast\" (a string); fix "
-     "it, or remove the key to take its default")),
+    # a value of the sweep's own key refused later named the flag, not the file's key
+    ("grid: {lr: [1e-3]}\nworkers: 0", "key 'workers': expected >= 1, found 0"),
+    ("grid: {lr: [1e-3]}\nshard: 2/2", "key 'shard': expected I/N with 0 <= I < N, found 2/2"),
+    ("grid: {lr: 'log:1e-4:1e-2'}\nrandom: 0", "key 'random': expected 1..10000 runs, found 0"),
+    ("grid: {lr: [1e-3]}\nsweep-id: a/b", ("key 'sweep-id': expected a single folder name, found "
+     "'a/b'")),
+    ("grid: {steps: [2]}\nlr: fast", ("key 'lr': expected a number, found \"fast\" (a string); "
+     "fix it, or remove the key to take its default")),
+    # a grid key that is also a run option of the file: the grid's values silently won
+    ("grid: {lr: [1e-3, 3e-3]}\nlr: 0.01", ("keys 'lr' and 'grid.lr': expected --lr once, as "
+     "every run's option or in the grid, found both (0.01 and [0.001, 0.003]); keep one")),
+    ("grid: {model.n_layers: [1, 2]}\nmodel: {n-layers: 1}", ("keys 'model: {n-layers}' and "
+     "'grid.model.n_layers': expected --model.n-layers once, as every run's option or in the "
+     "grid, found both (1 and [1, 2]); keep one")),
     ("grid: {lr: [1e-3]}\nmodle: {d_model: 8}", ("key 'modle.d_model': expected an option of "
      "toymlx-train --recipe from-scratch, found an unknown key; did you mean --model.d-model?")),
     ("grid: {lr: [1e-3]}\nrun_id: x", ("key 'run_id': expected no --run-id in a sweep file (the "
@@ -1096,6 +1305,19 @@ def test_bad_sweep_files_are_one_line(tmp_path, capsys, text, want):
     assert sweep_main(["-c", str(cfg)]) == 2
     assert error_line(capsys, "toymlx-sweep") == f"toymlx-sweep: error: {cfg}: {want}"
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_sweep_flag_over_its_file_is_named_as_the_flag(tmp_path, capsys):
+    """A refusal names the file's key only where the file set the value: `--workers 0` over
+    the file's `workers: 2` names --workers."""
+    from cli_errors import error_line
+
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text("recipe: from-scratch\ngrid: {lr: [1e-3]}\nworkers: 2\n")
+    assert sweep_main(["-c", str(cfg), "--workers", "0", "--runs-root",
+                       str(tmp_path / "runs")]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        "toymlx-sweep: error: --workers: expected >= 1, found 0")
 
 
 @pytest.mark.parametrize("argv", [[], ["--grid", "lr=1e-3,3e-3"]])
@@ -1250,6 +1472,12 @@ def test_the_best_run_is_named_lowest_loss_or_highest_accuracy_never_a_diverged_
                                                   "good)")
     assert best_line(sort_rows([row("lr=10", "diverged", "val_loss", 2.5, 4),
                                 row("lr=1", "torn", "val_loss", None)])) is None
+    # a runner-up that reads the same to 4 digits: both to the digits that tell them apart
+    # (two lora ranks' val_loss 6.225 and 6.225: "best lora.rank=8", nothing to tell why)
+    close = sort_rows([row("lora.rank=4", "completed", "val_loss", 6.224718, 2),
+                       row("lora.rank=8", "completed", "val_loss", 6.224693, 2)])
+    assert best_line(close) == ("sweep: best lora.rank=8: val_loss 6.22469 at step 2 (lowest of "
+                                "2 completed runs; the next, lora.rank=4, 6.22472)")
 
 
 def test_a_pending_sigkill_marks_a_dying_parent():
@@ -1336,6 +1564,11 @@ def test_a_sweep_file_key_that_does_not_apply_is_refused_a_run_config_is_not(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.json"]
     run = tmp_path / "config.json"
     run.write_text(json.dumps({"recipe": "lora", "config": options}))
+    # without a --grid: named alone (it said "or a grid in .../config.json", which holds none)
+    assert sweep_main(["-c", str(run), *flags[:-2]]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        "toymlx-sweep: error: --grid: expected at least one KEY=V1,V2 (e.g. --grid "
+        "lr=1e-4,3e-4)")
     assert sweep_main(["-c", str(run), *flags, "--sweep-id", "s"]) == 0
     assert json.loads((tmp_path / "s" / "run-options.json").read_text()) == {
         "recipe": "lora", "config": options}

@@ -375,12 +375,30 @@ def _fixed(v: Any) -> bool:
             and (isinstance(v, int) or abs(v) < FIXED_MAX))
 
 
-def table_texts(header: list[str], cells: list[list[Any]]) -> list[list[str]]:
+def value_text(v: Any) -> str:
+    """An option's value as a run's name and the table's parameter columns give it: a float in
+    its shortest exact form (0.0003, 1e+08, 0.999999), a list joined by "+"."""
+    if isinstance(v, float):
+        short = f"{v:g}"
+        return short if float(short) == v else repr(v)
+    if isinstance(v, (list, tuple)):
+        return "+".join(value_text(x) for x in v)
+    return str(v)
+
+
+def table_texts(header: list[str], cells: list[list[Any]],
+                params: Sequence[str] = ()) -> list[list[str]]:
     """The cells as the printed, drawn and HTML tables show them: `fmt`, except a column of
     `FIGURES`, whose numbers get the decimals that show its largest to 4 significant digits
-    (losses 5.145 and 4.900, not 5.145 and 4.9; throughput 1,132 and 931, not 1132 and 931.4)."""
+    (losses 5.145 and 4.900, not 5.145 and 4.9; throughput 1,132 and 931, not 1132 and 931.4),
+    and the `params` columns, each value as the run's name gives it (`value_text`): to 4
+    digits, a sweep's data.val_fraction=0.999999 read 1."""
     texts = [[fmt(v) for v in row] for row in cells]
     for i, name in enumerate(header):
+        if name in params:
+            for row, text in zip(cells, texts):
+                text[i] = "-" if row[i] is None else value_text(row[i])
+            continue
         # a number past FIXED_MAX (a diverged run's loss, 2.73e+18) keeps `fmt`'s form and sets
         # no decimals: it made the column's other losses 2 and 2 instead of 2.166 and 2.228
         values = [row[i] for row in cells if _fixed(row[i])]
@@ -399,7 +417,7 @@ def format_table(rows: list[dict[str, Any]], params: list[str]) -> str:
     """The summary as aligned plain text: numbers to the right of their column, text to the
     left."""
     header, cells = table_rows(rows, params)
-    text = [header] + table_texts(header, cells)
+    text = [header] + table_texts(header, cells, params)
     widths = [max(len(r[i]) for r in text) for i in range(len(header))]
     numeric = [all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
                    for v in (row[i] for row in cells)) for i in range(len(header))]
@@ -512,7 +530,7 @@ def figure(rows: list[dict[str, Any]], params: list[str], table: bool = True):
         ax_t = fig.add_subplot(grid[1, :])
         ax_t.axis("off")
         header, cells = table_rows(rows, params)
-        t = ax_t.table(cellText=table_texts(header, cells), colLabels=header,
+        t = ax_t.table(cellText=table_texts(header, cells, params), colLabels=header,
                        loc="upper center", cellLoc="center")
         t.auto_set_font_size(False)
         t.set_fontsize(8)
@@ -588,7 +606,7 @@ def _html(rows: list[dict[str, Any]], params: list[str], png_b64: str) -> str:
     header, cells = table_rows(rows, params)
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = ""
-    for r, row in zip(rows, table_texts(header, cells)):
+    for r, row in zip(rows, table_texts(header, cells, params)):
         tds = "".join(f"<td>{html.escape(v)}</td>" for v in row)
         title = html.escape(r.get("message") or r["path"], quote=True)
         body += f'<tr title="{title}">{tds}</tr>\n'

@@ -52,8 +52,14 @@ RANGE = re.compile(r"(log|uniform|int):([^:]+):([^:]+)")
 """A --random range: log:LO:HI, uniform:LO:HI or int:LO:HI."""
 
 
-def parse_range(kind: str, lo: str, hi: str, where: str) -> LogUniform | Uniform | IntUniform:
-    """The distribution a range's text names; ValueError starting with `where`."""
+def parse_range(kind: str, lo: str, hi: str, where: str,
+                integer: bool = False) -> LogUniform | Uniform | IntUniform:
+    """The distribution a range's text names; ValueError starting with `where`. `integer`: the
+    option takes an integer, and only int:LO:HI draws one (a uniform: range's 2.69 was refused
+    as a run's value, naming no range)."""
+    if integer and kind != "int":
+        raise ValueError(f"{where}: expected int:{lo}:{hi} (the option takes an integer), found "
+                         f"{kind}:{lo}:{hi}")
     try:
         if kind == "int":
             dist: Any = IntUniform(int(lo), int(hi))
@@ -62,7 +68,6 @@ def parse_range(kind: str, lo: str, hi: str, where: str) -> LogUniform | Uniform
     except ValueError:
         raise ValueError(f"{where}: expected {kind}:LO:HI with numbers") from None
     if dist.lo > dist.hi or (kind == "log" and dist.lo <= 0):
-        raise ValueError(f"{where}: expected 0 < LO <= HI" if kind == "log"
-                         else f"{where}: expected LO <= HI")
+        raise ValueError(f"{where}: expected {'0 < ' if kind == 'log' else ''}LO <= HI, found "
+                         f"LO {lo} and HI {hi}")
     return dist
-

@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -76,31 +76,67 @@ def run_note(line: str) -> str | None:
 
 class RunNotes:
     """The notes runs say in their logs (`run_note`: rows cut at --seq-len, a warm-up longer
-    than --steps), for the sweep's console: each distinct one once, naming the first run that
-    said it, up to `shown`, then one line naming `logs`, which hold the rest. During a sweep
-    they reached only the logs, and the user watching it never saw them."""
+    than --steps), for the sweep's console: each distinct one once, numbered, naming the first
+    run that said it, up to `shown`, then one line naming `logs`, which hold the rest; at the
+    sweep's end, which runs said each (`said_by`). During a sweep they reached only the logs,
+    and the user watching it never saw them; then only the first run was named, and a note of
+    one run read as one of all."""
 
-    def __init__(self, logs: Path, said: Iterable[str] = (), shown: int = NOTES_SHOWN):
+    def __init__(self, logs: Path, said: Iterable[str] = (), shown: int = NOTES_SHOWN,
+                 copies: Mapping[str, str] | None = None):
         self.logs, self.shown = logs, shown
         self.said = set(said)
         """The notes said (the sweep's own of the runs' examples, said before any run)"""
+        self.copies = dict(copies or {})
+        """{a file the runs read: the file it is a copy of, as `said` names it}: a run's note
+        of the sweep folder's run-options.json is the sweep's of the -c file it copies, said
+        before any run (it was said twice, once naming each)."""
         self.count = 0
+        self.by: dict[str, list[str]] = {}
+        """Each note said on the console, in the order of their numbers: the runs that said it,
+        the first first."""
 
     def lines(self, run: str, lines: Iterable[str]) -> list[str]:
-        """The console lines for `lines` of run `run`'s log: `sweep: RUN: LINE` for a note not
-        said before."""
+        """The console lines for `lines` of run `run`'s log: `sweep: note N (RUN): LINE` for a
+        note not said before."""
         out = []
         for line in lines:
             note = run_note(line)
-            if note is None or note in self.said:
+            if note is None:
+                continue
+            for copy, file in self.copies.items():
+                note = note.replace(copy, file)
+            if note in self.by:
+                self.by[note] += [run] if run not in self.by[note] else []
+                continue
+            if note in self.said:
                 continue
             self.said.add(note)
             self.count += 1
             if self.count <= self.shown:
-                out.append(f"sweep: {run}: {line}")
+                self.by[note] = [run]
+                out.append(f"sweep: note {self.count} ({run}): {line}")
             elif self.count == self.shown + 1:
                 out.append(f"sweep: more than {self.shown} notes from the runs: the rest are in "
                            f"their logs ({self.logs})")
+        return out
+
+    def said_by(self, runs: Sequence[str], names: int = 4) -> list[str]:
+        """For the sweep's end: which of `runs` (those this sweep started) said each note, by
+        its number (`sweep: note 2 was said by 2 of the 3 runs started: lr=0.001, lr=0.003`,
+        `names` at most, or `note 1 was said by every run started (3)`); none where one run was
+        started (its line named it)."""
+        if len(runs) < 2:
+            return []
+        out = []
+        for i, who in enumerate(self.by.values(), 1):
+            if len(who) == len(runs):
+                whom = f"every run started ({len(runs)})"
+            else:
+                more = f", and {len(who) - names} more" if len(who) > names else ""
+                whom = (f"{len(who)} of the {len(runs)} runs started: "
+                        f"{', '.join(who[:names])}{more}")
+            out.append(f"sweep: note {i} was said by {whom}")
         return out
 
 

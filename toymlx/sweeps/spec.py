@@ -70,18 +70,9 @@ def _arg_str(v: Any) -> str:
     return repr(v) if isinstance(v, float) else "None" if v is None else str(v)
 
 
-def _name_str(v: Any) -> str:
-    if isinstance(v, float):
-        short = f"{v:g}"
-        return short if float(short) == v else repr(v)
-    if isinstance(v, (list, tuple)):
-        return "+".join(_name_str(x) for x in v)
-    return str(v)
-
-
 def run_name(params: Mapping[str, Any]) -> str:
     """Folder name of a run from its swept values: `lr=0.0003_lora.rank=8` (stable)."""
-    name = "_".join(f"{k}={_name_str(v)}" for k, v in params.items()) or "base"
+    name = "_".join(f"{k}={report.value_text(v)}" for k, v in params.items()) or "base"
     name = re.sub(r"[^A-Za-z0-9._=+-]", "-", name)
     if len(name) > 100:
         digest = hashlib.sha1(name.encode()).hexdigest()[:8]
@@ -166,13 +157,19 @@ def _base_args(base: Sequence[str] | Mapping[str, Any], types: dict[str, Any],
 
 
 def _check_no_clash(base: list[str], keys: Sequence[str]) -> None:
-    given = {a.split("=", 1)[0] for a in base if a.startswith("--")}
+    """Refuse a grid key also among every run's options (`base`), naming both: "--steps: given
+    both as a fixed option and in the sweep" named neither the --grid nor the value given."""
     for k in keys:
         flag = key_to_flag(k)
         head, _, last = flag[2:].rpartition(".")
         neg = f"--{head + '.' if head else ''}no-{last}"
-        if flag in given or neg in given:
-            raise ValueError(f"{flag}: given both as a fixed option and in the sweep; keep one")
+        for i, a in enumerate(base):
+            name, eq, _ = a.partition("=")
+            if name in (flag, neg):
+                value = base[i + 1:i + 2] if not eq and name == flag else []
+                given = " ".join([a, *(v for v in value if not v.startswith("--"))])
+                raise ValueError(f"--grid {k}: expected {flag} in the grid or among every run's "
+                                 f"options, found it in both ({given}); keep one")
 
 
 def _make_specs(base: list[str], combos: list[dict[str, Any]],
@@ -247,15 +244,28 @@ def parse_axis(text: str, recipe: str | None = None) -> tuple[str, Any]:
     Values are typed by the recipe's option types when the recipe is known."""
     key, sep, vals = text.partition("=")
     key = key.strip()
-    if not sep or not key or not vals.strip():
-        raise ValueError(f"--grid {text!r}: expected KEY=V1,V2,... (e.g. lr=1e-4,3e-4)")
+    # an empty value (`lr=1e-3,,3e-3`, a trailing comma) read as "--grid lr=: expected a number"
+    if not sep or not key or not all(v.strip() for v in vals.split(",")):
+        raise ValueError(f"--grid {text!r}: expected KEY=V1,V2,... with no empty value (e.g. "
+                         "lr=1e-4,3e-4)")
     types = _field_types(recipe)
     _check_key(key, types, recipe)
+    t = types.get(_norm_key(key))
     m = RANGE.fullmatch(vals.strip())
     if m:
-        return key, parse_range(*m.groups(), where=f"--grid {text!r}")
-    t = types.get(_norm_key(key))
-    return key, [_parse_value(v.strip(), t, key) for v in vals.split(",")]
+        return key, parse_range(*m.groups(), where=f"--grid {text!r}", integer=_takes_int(t))
+    return key, _distinct([_parse_value(v.strip(), t, key) for v in vals.split(",")],
+                          f"--grid {text!r}")
+
+
+def _distinct(values: list[Any], where: str) -> list[Any]:
+    """`values`, or ValueError starting with `where` naming one given twice (`lr=1e-3,0.001`:
+    it was "sweep: values {'lr': 0.001} and {'lr': 0.001} give the same run name")."""
+    for i, v in enumerate(values):
+        if v in values[:i]:
+            raise ValueError(f"{where}: expected distinct values, found "
+                             f"{report.value_text(v)} twice")
+    return values
 
 
 def file_axis(key: str, values: Any, recipe: str | None, where: str) -> Any:
@@ -266,16 +276,23 @@ def file_axis(key: str, values: Any, recipe: str | None, where: str) -> Any:
     _check_key(key, types, recipe, where)
     m = RANGE.fullmatch(values.strip()) if isinstance(values, str) else None
     if m:
-        return parse_range(*m.groups(), where=where)
+        return parse_range(*m.groups(), where=where, integer=_takes_int(types.get(_norm_key(key))))
     if not isinstance(values, list) or not values or any(isinstance(v, (list, dict))
                                                          for v in values):
         raise ValueError(f'{where}: expected a list of values or a "log:LO:HI" range, found '
                          f"{json.dumps(values)}")
     t = types.get(_norm_key(key))
-    return [_parse_value(_arg_str(v), t, key, where, json.dumps(v)) for v in values]
+    return _distinct([_parse_value(_arg_str(v), t, key, where, json.dumps(v)) for v in values],
+                     where)
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number"}
+
+
+def _takes_int(t: Any) -> bool:
+    """Whether an option of type `t` (`_field_types`) takes an integer (int, or int | None)."""
+    return t is int or (type(None) in typing.get_args(t)
+                        and [a for a in typing.get_args(t) if a is not type(None)] == [int])
 
 
 def _parse_value(s: str, t: Any, key: str, where: str | None = None,
@@ -403,14 +420,41 @@ def _grid_changed(runs: Iterable[Mapping[str, Any]], specs: Sequence[RunSpec]) -
             f"{' or '.join(map(_grid_keys, then))} when the sweep started{order})")
 
 
+def _was(key: str, now: str, then: str) -> str:
+    """A changed option as `changed_options` names it: `--steps (3 now, 2 when the sweep
+    started)`."""
+    return f"{key} ({now} now, {then} when the sweep started)"
+
+
+def _check_one_grid(path: Path, runs: Iterable[Mapping[str, Any]], names: int = 4) -> None:
+    """Refuse a record whose runs are of several grids (keys, or their order), naming each
+    grid's runs and what to do: a toymlx before `_grid_changed` ran another grid's runs into a
+    sweep folder, and either grid, run again there, went on mixed with the other in one table
+    and report."""
+    grids: dict[tuple, list[str]] = {}
+    for r in runs:
+        if isinstance(r.get("params"), dict):
+            grids.setdefault(tuple(r["params"]), []).append(str(r.get("name")))
+    if len(grids) < 2:
+        return
+    said = "; ".join(f"{_grid_keys(keys)}: {', '.join(who[:names])}"
+                     + (f", and {len(who) - names} more" if len(who) > names else "")
+                     for keys, who in grids.items())
+    raise ValueError(f"{path}: expected the runs of one grid, found {len(grids)} grids' runs "
+                     f"mixed in one sweep folder by an earlier toymlx ({said}); give a new "
+                     f"--sweep-id to run a grid in a folder of its own (the runs here stay as "
+                     f"they are: toymlx-report {path.parent} shows them)")
+
+
 def changed_options(sweep_dir: Path, recipe: str, specs: Sequence[RunSpec],
                     run_options: Mapping[str, Any] | None,
                     inputs: Iterable[tuple[str, Any]] = ()) -> list[str]:
-    """What differs from the sweep already in `sweep_dir` (its sweep.json): the recipe, keys of
-    the options every run takes from the config file, the grid's keys (`_grid_changed`), flags
-    of a run of the same name, and an input path (`inputs`, (flag, path) as typed) that names
-    another file than when the sweep started ("FLAG (PATH: FILE here, FILE then)"); [] for a
-    new sweep, or the same one (more values of its keys add runs)."""
+    """What differs from the sweep already in `sweep_dir` (its sweep.json; one whose runs are
+    of several grids is refused: `_check_one_grid`): the recipe, keys of the options every run
+    takes from the config file, the grid's keys (`_grid_changed`), flags of a run of the same
+    name, and an input path (`inputs`, (flag, path) as typed) that names another file than when
+    the sweep started ("FLAG (PATH: FILE here, FILE then)"); [] for a new sweep, or the same one
+    (more values of its keys add runs)."""
     try:
         old = json.loads((sweep_dir / report.SWEEP_FILE).read_text())
     except FileNotFoundError:
@@ -422,18 +466,27 @@ def changed_options(sweep_dir: Path, recipe: str, specs: Sequence[RunSpec],
         raise ValueError(  # noqa: TRY004
 f"{sweep_dir / report.SWEEP_FILE}: expected the sweep's record (a JSON "
                          f"object), found {type(old).__name__}")
+    runs = {r.get("name"): r for r in old.get("runs", []) if isinstance(r, dict)}
+    _check_one_grid(sweep_dir / report.SWEEP_FILE, runs.values())
     if old.get("recipe") != recipe:
         return ["recipe"]
     before, now = _leaves(old.get("run_options") or {}), _leaves(run_options or {})
-    changed = sorted(k for k in before.keys() | now.keys() if before.get(k, ...) != now.get(k, ...))
-    runs = {r.get("name"): r for r in old.get("runs", []) if isinstance(r, dict)}
+    # each with its value now and then: "found --steps changed" left the user to dig the old
+    # value out of sweep.json to put it back
+    changed = [_was(k, *(json.dumps(x[k], default=str) if k in x else "none"
+                         for x in (now, before)))
+               for k in sorted(before.keys() | now.keys()) if before.get(k, ...) != now.get(k, ...)]
     if grid := _grid_changed(runs.values(), specs):
         changed.insert(0, grid)
+    said = set()
     for s in specs:
         if s.name in runs:
             a, b = _flag_values(runs[s.name].get("args", [])), _flag_values(s.args)
-            changed += [f for f in sorted(a.keys() | b.keys())
-                        if a.get(f) != b.get(f) and f not in changed]
+            for f in sorted(a.keys() | b.keys()):
+                if a.get(f) != b.get(f) and f not in said:
+                    said.add(f)
+                    changed.append(_was(f, *(" ".join(x[f]) or "given" if f in x else "not given"
+                                             for x in (b, a))))
     then = old.get(INPUT_FILES_KEY) or {}
     for flag, path in inputs:
         was = then.get(f"{flag} {path}") if isinstance(path, str) else None

@@ -110,8 +110,17 @@ def best_line(rows: list[dict[str, Any]]) -> str | None:
     most = "highest" if report.METRICS.get(b["metric"], False) else "lowest"
     ties = sum(r["best"] == b["best"] and r["metric"] == b["metric"] for r in done[1:])
     tie = f"; {counted(ties, 'other')} as good" if ties else ""
-    return (f"sweep: best {b['run']}: {b['metric']} {report.fmt(float(b['best']))} at step "
-            f"{b['best_step']} ({most} of {counted(len(done), 'completed run')}{tie})")
+    value = report.fmt(float(b["best"]))
+    # a runner-up that reads the same to 4 digits (two lora ranks' val_loss 6.225 and 6.225,
+    # the table's too): both to the digits that tell them apart, the runner-up named
+    after = [r for r in done[1:] if r["metric"] == b["metric"] and r["best"] != b["best"]]
+    if after and report.fmt(float(after[0]["best"])) == value:
+        x, y = float(b["best"]), float(after[0]["best"])
+        digits = next(d for d in range(5, 18) if f"{x:.{d}g}" != f"{y:.{d}g}")
+        value = f"{x:.{digits}g}"
+        tie += f"; the next, {after[0]['run']}, {y:.{digits}g}"
+    return (f"sweep: best {b['run']}: {b['metric']} {value} at step {b['best_step']} ({most} "
+            f"of {counted(len(done), 'completed run')}{tie})")
 
 
 def _unwritten(stream: TextIO, name: str, e: OSError) -> str:

@@ -88,6 +88,14 @@ def _has_checkpoint(run_dir: Path) -> bool:
         return False
 
 
+def resumes(run_dir: Path) -> bool:
+    """Whether the sweep, running the run again, resumes it from its checkpoints (else it
+    starts it over): torn (killed, by the out-of-memory killer or a kill -9) or interrupted,
+    or failed on a disk that refused its writes (`failed_on_the_disk`)."""
+    return ((run_state(run_dir) == "resumable" or failed_on_the_disk(run_dir))
+            and _has_checkpoint(run_dir))
+
+
 def failed_on_the_disk(run_dir: Path) -> bool:
     """Whether the run's last attempt ended on a disk that refused its writes (full, over
     quota, read-only: its run_end's error, or MLX's kernel build's): what it had checkpointed
@@ -106,6 +114,18 @@ def _recorded(sweep_dir: Path, r: SweptRun, key: str = "state") -> Any:
         return json.loads((sweep_dir / ".status" / f"{r.spec.name}.json").read_text()).get(key)
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def next_step(sweep_dir: Path, r: SweptRun, retry_failed: bool) -> str:
+    """What running the sweep does with run `r` now: "skip" (completed or diverged), "report"
+    (failed, with `retry_failed` off), "resume" (`resumes`) or "start" (new, failed, or stopped
+    before its first checkpoint: started over)."""
+    state = run_state(r.dir)
+    if state in ("completed", "diverged"):
+        return "skip"
+    if not retry_failed and (state == "failed" or _recorded(sweep_dir, r) == "failed"):
+        return "report"
+    return "resume" if resumes(r.dir) else "start"
 
 
 def _last_error(log: Path) -> str | None:
@@ -146,10 +166,13 @@ class _Runner:
 
     def __init__(self, recipe: str, sweep_dir: Path, runs: list[SweptRun], workers: int,
                  retry_failed: bool, busy_wait: float, python: str, view: LiveView,
-                 stream: TextIO, run_options: Path | None = None, said: Sequence[str] = ()):
+                 stream: TextIO, run_options: Path | None = None, said: Sequence[str] = (),
+                 config_file: str | None = None):
         self.recipe, self.sweep_dir, self.runs, self.workers = recipe, sweep_dir, runs, workers
-        self.notes = RunNotes(sweep_dir / "logs", said)
-        """What the runs note in their logs, said on the console (`said`: said there before)"""
+        copies = {str(run_options): config_file} if run_options and config_file else {}
+        self.notes = RunNotes(sweep_dir / "logs", said, copies=copies)
+        """What the runs note in their logs, said on the console (`said`: said there before,
+        naming `config_file`, which the runs read as its copy `run_options`)"""
         self.run_options = run_options
         """The file of options every new run takes as `-c` (None: none)."""
         self.retry_failed, self.busy_wait = retry_failed, busy_wait
@@ -205,6 +228,8 @@ class _Runner:
                 self.view.update(self.runs)
                 time.sleep(0.25)
             self.view.update(self.runs, force=True)
+            # which runs said each note: the first alone was named, one run's note read as all's
+            self.view.say(self.notes.said_by([r.spec.name for r in self.runs if r.action]))
         finally:
             self._kill([r for r in self.runs if r.state == "running"])  # on an error here
         return requests > 0
@@ -237,21 +262,20 @@ class _Runner:
     def _start(self, r: SweptRun) -> None:
         if not self._claim(r):
             return
-        state = run_state(r.dir)
-        if state in ("completed", "diverged"):
+        step = next_step(self.sweep_dir, r, self.retry_failed)
+        if step == "skip":
             r.state = "skipped"
             r.absorb(read_events(r.dir))
             r.wall = report.summarize_run(r.dir)["wall_s"]
             r.release()
             return
-        failed = state == "failed" or _recorded(self.sweep_dir, r) == "failed"
-        if not self.retry_failed and failed:
+        if step == "report":
             r.state = "failed"  # as recorded by the bundle, or by the sweep if it has none
             r.absorb(read_events(r.dir))
             r.message = r.message or _recorded(self.sweep_dir, r, "message")
             r.release()
             return
-        if (state == "resumable" or failed_on_the_disk(r.dir)) and _has_checkpoint(r.dir):
+        if step == "resume":
             r.action = "resume"
             cmd = ["--resume", str(r.dir), "--no-progress"]
         else:  # new, failed, or stopped before its first checkpoint: start (over)
@@ -372,7 +396,8 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     mine = shard_specs(specs, shard)
     stream = stream or sys.stderr
     given = sweep_id is not None
-    sweep_id = sweep_id or default_sweep_id(recipe, specs, run_options)
+    # `--sweep-id ""` (an unset $ID) ran under the hashed id, unsaid: refused as a name
+    sweep_id = sweep_id if given else default_sweep_id(recipe, specs, run_options)
     check_folder_name(sweep_id, "--sweep-id")
     # each run's folder is checked by its toymlx-train; the sweep's own folder here, naming
     # the flag that put it where it is: the root first, then a given --sweep-id in that root
@@ -407,15 +432,19 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
                 {"recipe": recipe, "config": run_options} if run_config else run_options,
                 indent=1))
     # said up front: with --no-progress, a sweep run again printed the same table as the
-    # first time, nothing telling that no run was run
-    done = sum(run_state(sweep_dir / s.name) in ("completed", "diverged") for s in mine)
+    # first time, nothing telling that no run was run (nor, continued after a Ctrl-C, that
+    # its runs go on from their checkpoints, not from step 0)
+    runs = [SweptRun(s, sweep_dir / s.name) for s in mine]
+    steps = [next_step(sweep_dir, r, retry_failed) for r in runs]
+    said = {"skip": "finished before, skipped", "resume": "to resume from their checkpoints",
+            "report": "failed before, reported (--no-retry-failed)"}
     stream.write(f"sweep {sweep_dir}: {counted(len(specs), 'run')}, {len(mine)} on this shard "
                  f"({shard[0]}/{shard[1]}), {counted(workers, 'worker')}"
-                 + (f"; {done} finished before, skipped" if done else "") + "\n")
-    runs = [SweptRun(s, sweep_dir / s.name) for s in mine]
+                 + "".join(f"; {steps.count(k)} {v}" for k, v in said.items() if k in steps)
+                 + "\n")
     runner = _Runner(recipe, sweep_dir, runs, workers, retry_failed, busy_wait,
                      python or sys.executable, LiveView(stream, progress, heartbeat), stream,
-                     options_file, said)
+                     options_file, said, config_file)
     interrupted = runner.run()
 
     result = summarize_sweep(sweep_dir, report_png=report_png, stream=stream)
@@ -425,10 +454,15 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
         if r.state in ("failed", "diverged"):
             stream.write(f"sweep: {r.state.upper()} {r.spec.name}: {r.message} "
                          f"(log: {sweep_dir / 'logs' / (r.spec.name + '.log')})\n")
-            if r.state == "failed" and failed_on_the_disk(r.dir) and _has_checkpoint(r.dir):
-                stream.write(f"sweep: {r.spec.name}: its checkpoints are intact: free space (or "
-                             "make the folder writable) and run the same command again; it "
-                             "resumes from them\n")
+            # a run killed (kill -9, out of memory) is resumed too, not started over: said,
+            # as a full disk's is, where the line above said only how it failed
+            if r.state == "failed" and resumes(r.dir):
+                disk = ("free space (or make the folder writable) and "
+                        if failed_on_the_disk(r.dir) else "")
+                again = ("run the same command again" if retry_failed else
+                         "run the command again without --no-retry-failed")
+                stream.write(f"sweep: {r.spec.name}: its checkpoints are intact: {disk}{again}; "
+                             "it resumes from them\n")
         elif r.state == "elsewhere":
             stream.write(f"sweep: {r.spec.name}: skipped here: {r.message}\n")
     if interrupted:
