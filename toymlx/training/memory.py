@@ -8,8 +8,8 @@ The estimate adds, in bytes:
   tensors at 4 bytes a value (norms).
 - trained: what training adds: each adapter value with its gradient and AdamW's two moments,
   float32 (16 bytes); a full fine-tune's trained values, held in base at 4 bytes a value, their
-  gradients and two moments (12 bytes), and one trained block's values once more
-  (`UPDATE_BLOCK_COPIES`). A full fine-tune trains the whole base; with
+  gradients and two moments (12 bytes), one trained block's values once more
+  (`UPDATE_BLOCK_COPIES`) and each further CPU stream's gradient (4 bytes). A full fine-tune trains the whole base; with
   --full.layers N, the last N blocks' tensors, the rest held as frozen.
 - activations: what the backward pass keeps per token and per block (`_block_values`,
   `BLOCK_D_VALUES`), times the blocks the gradient runs through: those from the first adapted
@@ -338,6 +338,10 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
     if full:
         trained += (block_values(g, range(a.n_layers - blocks, a.n_layers)) * 4
                     * UPDATE_BLOCK_COPIES)
+    # each CPU stream beyond the first holds its own float32 gradient of the trained values
+    # until the update sums them (`cpu_streams.make_stream_step`): SmolLM2-135M's full 2 x 256
+    # step on two streams peaked at 3,530 MiB by MLX's count, 410 over the count without it
+    trained += n * 4 * (streams - 1)
     # a full fine-tune trains every projection: each keeps its input, as an adapter's does
     per_block = (_block_values(a, seq_len, ops, tuple(projection_dims(a)) if full else targets)
                  * tokens * width)
