@@ -81,7 +81,8 @@ FULL_HEAP_BYTES = 1
 gradient and update a full fine-tune's step leaves in the heap. Measured (session 59, AMD
 EPYC, 2 cores, load 4): SmolLM2-135M's full fine-tune at 1 x 256 (134.5 M values) peaked at
 2,845 MiB of RSS, 53 over the rest of its count (2,792), 0.4 bytes a value; the Llama-3.2-1B
-shape's --full.layers 2 (121.6 M values) at 1 x 512 --grad-checkpoint 4 under (session 58)."""
+shape's --full.layers 2 (121.6 M values) at 1 x 512 --grad-checkpoint 4 under (session 58's
+peak RSS of 3,220 MiB; session 59's 3,150 and 3,157 in two runs: estimated 3,340)."""
 ADAPTER_TRAINED_BYTES = 16
 """Bytes an adapter value takes while it trains: itself, its gradient and AdamW's two moments,
 float32 (the base does not hold it)."""
