@@ -8,8 +8,8 @@ The estimate adds, in bytes:
   tensors at 4 bytes a value (norms).
 - trained: what training adds: each adapter value with its gradient and AdamW's two moments,
   float32 (16 bytes); a full fine-tune's trained values, held in base at 4 bytes a value, their
-  gradients and two moments (12 bytes), and one trained block's values once more
-  (`UPDATE_BLOCK_COPIES`). A full fine-tune trains the whole base; with
+  gradients and two moments (12 bytes), one trained block's values once more
+  (`UPDATE_BLOCK_COPIES`) and each further CPU stream's gradient (4 bytes). A full fine-tune trains the whole base; with
   --full.layers N, the last N blocks' tensors, the rest held as frozen.
 - activations: what the backward pass keeps per token and per block (`_block_values`,
   `BLOCK_D_VALUES`), times the blocks the gradient runs through: those from the first adapted
@@ -26,8 +26,8 @@ The estimate adds, in bytes:
   or a mixture of experts' largest 3-D expert tensor whole, `EXPERT_DECODED_COPIES` copies;
   each CPU stream the step runs on decodes its own (`step_streams`).
 - runtime: Python, MLX and the data (`RUNTIME_BYTES`), the tokenizer (`TOKENIZER_BYTES` a
-  vocabulary token) and the heap kept beyond MLX's arrays (`HEAP_BYTES` a block and unit of
-  width: `runtime_bytes`).
+  vocabulary token) and the heap kept beyond MLX's arrays (`HEAP_BYTES` a block, unit of width
+  and token a CPU stream runs, `FULL_HEAP_BYTES` a fully trained value: `runtime_bytes`).
 It is an estimate, written to refuse runs that cannot fit, not to predict a peak to the MB.
 """
 
@@ -53,28 +53,36 @@ Measured (session 58, AMD EPYC, 2 cores shared; /proc/PID/status sampled every 2
 LoRA command on SmolLM2-135M at 84-92 MiB until its weights load (importing toymlx and MLX:
 62). Session 57's 160 MiB (86 outside the heap, 48-83 of the heap in use beyond MLX's arrays)
 held the heap's tokenizer, counted again by `TOKENIZER_BYTES`: SmolLM2's LoRA q 1 x 256 step
-was estimated 18.7% over its peak RSS (1,109 against 935 MiB), now 11.8%. Until session 57 one
+was estimated 18.7% over its peak RSS (1,109 against 935 MiB), then 11.8%. Until session 57 one
 fixed 448 MiB stood for all of the runtime: the Llama-3.1-8B shape's 1 x 512 --grad-checkpoint
 step was estimated 9% under its peak RSS."""
 TOKENIZER_BYTES = 1024
 """Bytes a run holds per vocabulary token for the tokenizer and the header's token lists
 (`Tokenizer.from_metadata`; measured: 33 MiB for SmolLM2's 49,152 tokens, 101 for Qwen2's
 151,936, 234 for Gemma 4's 262,144)."""
-HEAP_BYTES = 6656
-"""Bytes of RSS per block and model width (`n_layers * d_model`) beyond MLX's peak, the
-tokenizer and `RUNTIME_BYTES`: the heap glibc keeps above what is in use (a step's freed
-buffers stay with the process, `toymlx.backend.device.tune_malloc`) and MLX's peak beyond the
-other parts' count. Peak RSS less MLX's peak, measured (MiB; AMD EPYC, 2 cores): SmolLM2-135M
-(30 x 576) 150 at 1 x 256, 165-292 at 4 x 256 and 8 x 128; the Llama-3.2-1B shape (16 x 2048)
-248 at 1 x 512 --grad-checkpoint held in blocks, 203 without it held as float32; the 3B
-(28 x 3072) 405 (553 in session 56) and the 8B (32 x 4096) 792 (session 56), at 1 x 512
---grad-checkpoint: at most about 55 + 6 KiB per block and width, by neither the file's size
-nor the base's (the 1B held as 4 GB of float32 kept less than in 0.65 GB of blocks); it varies
-by 150 MiB from run to run (the 3B). Less the fixed parts (~113 MiB on SmolLM2's tokenizer) it
-is 5.3 KiB a block and width on the 8B but ~1.4 on SmolLM2 at 1 x 256 (137 MiB, session 58),
-4.4 at 4 x 256 (188), 9.4 for its full fine-tune at 1 x 256 (271): the 6.5 counted covers the
-8B's step (MLX's peak 170 MiB over the other parts' count) and leaves SmolLM2's 1 x 256 LoRA
-12% over."""
+HEAP_BYTES = 13
+"""Bytes of RSS per block, unit of width and token of one CPU stream's share of the batch
+(`n_layers * d_model * batch_size * seq_len / streams`) beyond the other parts' count: the heap
+glibc and MLX's cache keep above what is in use (a step's freed buffers stay with the process,
+`toymlx.backend.device.tune_malloc`, bounded to a step's transient memory) and MLX's peak beyond
+the other parts' count. Measured (session 59, AMD EPYC, 2 cores shared, load 3-8; peak RSS of
+`toymlx-train --recipe lora` under /usr/bin/time -v, LoRA rank 8, less the estimate's other
+parts, MiB): SmolLM2-135M (30 x 576), q, at 1 x 256 0 (float32 base) and 31 (in blocks), at
+4 x 256 (two streams of 512 tokens) 50 and 71; the Llama-3.2-1B shape (16 x 2048), q,v, at
+1 x 512 --grad-checkpoint 165 (float32) and 168 (blocks), 204 for --full.layers 2 (session 58);
+the 8B (32 x 4096) the same way 817 (session 56). Counted: 55, 110, 208, 208 and 832 MiB.
+Which buffers these are is not pinned down, nor why a stream's share of the tokens fits where
+the whole batch's would not (4 x 256 on two streams kept less than twice 1 x 256's). Until
+session 59 it was 6.5 KiB a block and width whatever the tokens (13 bytes at 512 tokens):
+SmolLM2's LoRA q 1 x 256 step estimated 12% over its peak RSS (1,045 against 935 MiB), 14% held
+in blocks (634 against 555); now 6% and 4%, its 4 x 256 and the 512-token runs as they were."""
+FULL_HEAP_BYTES = 1
+"""Bytes of RSS per fully trained value beyond `HEAP_BYTES`' count: the freed buffers of its
+gradient and update a full fine-tune's step leaves in the heap. Measured (session 59, AMD
+EPYC, 2 cores, load 4): SmolLM2-135M's full fine-tune at 1 x 256 (134.5 M values) peaked at
+2,845 MiB of RSS, 53 over the rest of its count (2,792), 0.4 bytes a value; the Llama-3.2-1B
+shape's --full.layers 2 (121.6 M values) at 1 x 512 --grad-checkpoint 4 under (session 58's
+peak RSS of 3,220 MiB; session 59's 3,150 and 3,157 in two runs: estimated 3,340)."""
 ADAPTER_TRAINED_BYTES = 16
 """Bytes an adapter value takes while it trains: itself, its gradient and AdamW's two moments,
 float32 (the base does not hold it)."""
@@ -327,9 +335,14 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
         per_block = sum(rank * (dims[t][0] + dims[t][1]) + (dims[t][0] if dora else 0)
                         for t in targets)
         base, trained = base_bytes(g, held), per_block * blocks * ADAPTER_TRAINED_BYTES
+        n = 0  # no base value trained
     if full:
         trained += (block_values(g, range(a.n_layers - blocks, a.n_layers)) * 4
                     * UPDATE_BLOCK_COPIES)
+    # each CPU stream beyond the first holds its own float32 gradient of the trained values
+    # until the update sums them (`cpu_streams.make_stream_step`): SmolLM2-135M's full 2 x 256
+    # step on two streams peaked at 3,530 MiB by MLX's count, 410 over the count without it
+    trained += n * 4 * (streams - 1)
     # a full fine-tune trains every projection: each keeps its input, as an adapter's does
     per_block = (_block_values(a, seq_len, ops, tuple(projection_dims(a)) if full else targets)
                  * tokens * width)
@@ -337,7 +350,7 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
         acts = blocks * tokens * CHECKPOINT_D_VALUES * a.d_model * width + per_block
     else:
         acts = blocks * per_block
-    share = tokens // streams  # each CPU stream computes the loss of its share of the batch
+    share = tokens // streams  # each CPU stream runs its share of the batch, and its loss
     if full and not layers:  # a trained head: a chunk of tokens' logits at a time
         chunk = logits_chunk(a.vocab_size, ops.logits_values)
         logits = min(share, chunk) * a.vocab_size * 4 * LOGITS_COPIES * streams
@@ -353,7 +366,7 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
                    and tensor_route(g, name, held, train) == "blocks"), default=0)
     decoded = max(min(largest, ops.decode_slice or largest) * DECODED_COPIES,
                   experts * EXPERT_DECODED_COPIES) * 4 * streams
-    return Estimate(base, trained, acts, logits, decoded, runtime_bytes(a))
+    return Estimate(base, trained, acts, logits, decoded, runtime_bytes(a, share, n))
 
 
 def block_values(g: GGUFFile, blocks: range) -> int:
@@ -362,11 +375,13 @@ def block_values(g: GGUFFile, blocks: range) -> int:
                 for i in blocks), default=0)
 
 
-def runtime_bytes(a: LlamaArgs) -> int:
-    """What a run of the model `a` holds beyond MLX's arrays at its peak: `RUNTIME_BYTES`, the
-    tokenizer's `TOKENIZER_BYTES` a vocabulary token and `HEAP_BYTES` a block and unit of
-    width."""
-    return RUNTIME_BYTES + TOKENIZER_BYTES * a.vocab_size + HEAP_BYTES * a.n_layers * a.d_model
+def runtime_bytes(a: LlamaArgs, share: int, trained: int = 0) -> int:
+    """What a run of the model `a` holds beyond MLX's arrays at its peak, its steps running
+    `share` tokens on each CPU stream and fully training `trained` values: `RUNTIME_BYTES`, the
+    tokenizer's `TOKENIZER_BYTES` a vocabulary token, `HEAP_BYTES` a block, unit of width and
+    token and `FULL_HEAP_BYTES` a trained value."""
+    return (RUNTIME_BYTES + TOKENIZER_BYTES * a.vocab_size
+            + HEAP_BYTES * a.n_layers * a.d_model * share + FULL_HEAP_BYTES * trained)
 
 
 def step_streams(requested: int, batch_size: int) -> int:
