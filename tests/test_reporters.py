@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_errors import error_line
 from conftest import home_elsewhere
 from toymlx_cli.train import main
 
@@ -555,8 +556,6 @@ def test_the_w_and_b_project_is_the_option_s_then_wandb_project(tmp_path, monkey
 def test_a_w_and_b_project_without_w_and_b_is_one_line(tmp_path, capsys):
     """--wandb-project without --report-to wandb named a project no run went to, without a
     word: refused before the run, naming both flags."""
-    from cli_errors import error_line
-
     runs = tmp_path / "runs"
     for report in ([], ["--report-to", "tensorboard"]):
         assert main(["--recipe", "vit-tiny", "--wandb-project", "p", *report, "--runs-root",
@@ -678,6 +677,48 @@ def test_a_removed_run_says_its_offline_w_and_b_files_went_with_it(tmp_path, tex
                        "trained; its offline W&B run went with its folder: there is nothing to "
                        "wandb sync")
     assert not runs.exists()
+
+
+def test_overwrite_keeps_an_offline_w_and_b_run_until_wandb_sync_uploaded_it(
+        tmp_path, text_path, monkeypatch, capsys):
+    """--overwrite on a run folder holding an offline W&B run (no login) deleted its files,
+    never uploaded: lost. Now --overwrite (toymlx.train's overwrite=True too) is refused while a
+    .wandb file lacks the marker `wandb sync` leaves beside it, naming the folder and the
+    `wandb sync` line, nothing removed; once synced, --overwrite replaces the run as before."""
+    import shlex
+
+    import toymlx
+
+    wandb = pytest.importorskip("wandb", reason="the wandb extra")
+    wandb_offline(monkeypatch, tmp_path)
+    runs = tmp_path / "runs"
+    flags = ["--recipe", "from-scratch", *TINY, "--steps", "2", "--data.path", str(text_path),
+             "--runs-root", str(runs), "--run-id", "r", "--report-to", "wandb"]
+    try:
+        assert main(flags) == 0
+        run = runs / "r"
+        (offline,) = (run / "wandb").glob("offline-run-*")
+        (log,) = offline.glob("run-*.wandb")
+        before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+        capsys.readouterr()
+        assert main([*flags, "--overwrite"]) == 2
+        said = (f"{run}: --overwrite: expected its offline W&B run uploaded first (wandb sync "
+                "leaves a *.wandb.synced file beside each .wandb file it uploads), found "
+                f"{offline.name} without one; nothing was removed: upload it with: wandb sync "
+                f"{shlex.quote(str(offline))}, then pass --overwrite again; or, to lose it, "
+                f"remove {run / 'wandb'} first, or choose another --run-id")
+        assert error_line(capsys) == f"toymlx-train: error: {said}"
+        with pytest.raises(toymlx.OptionError) as caught:
+            toymlx.train("from-scratch", data={"path": str(text_path)}, runs_root=str(runs),
+                         run_id="r", report_to="wandb", overwrite=True, echo=False)
+        assert str(caught.value) == "toymlx-train: error: " + said.replace(
+            "--overwrite", "overwrite=True").replace("--run-id", "run_id")
+        assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+        log.with_name(log.name + ".synced").touch()  # as `wandb sync` marks what it uploaded
+        assert main([*flags, "--overwrite"]) == 0
+    finally:
+        wandb.teardown()
+    assert log.parent.name not in {p.name for p in (run / "wandb").glob("offline-run-*")}
 
 
 def test_a_resumes_tensorboard_file_is_read_after_its_runs(tmp_path):

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +31,12 @@ from toymlx.bundle.inputs import (
 )
 from toymlx.bundle.model_store import gpt2_hint, hf_name_hint, is_store_name
 from toymlx.bundle.options import RunError, flag_name, found_text, option
-from toymlx.bundle.reporters import offline_wandb, online_wandb
+from toymlx.bundle.reporters import (
+    WANDB_SYNCED,
+    offline_wandb,
+    online_wandb,
+    unsynced_wandb,
+)
 
 CONFIG_FILE = "config.json"
 CONFIG_KEYS = frozenset({"format", "recipe", "config", DATA_FILES_KEY, MODEL_FILES_KEY})
@@ -93,6 +99,8 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool, default_id: bool = 
                            f"a run bundle, found others too: {shortlist(foreign, 4)}; nothing was "
                            "removed: move them out of the run folder, or choose another "
                            "--run-id or --runs-root")
+        if overwrite and (unsynced := unsynced_wandb(run_dir)):  # W&B has no copy of them
+            raise RunError(_unsynced_message(run_dir, unsynced))
         for p in held:  # --overwrite, "empty" or started over: ours, nobody writes into it
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         (run_dir / "weights").mkdir(exist_ok=True)
@@ -107,6 +115,18 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool, default_id: bool = 
         lock.release()
         raise
     return run_dir, lock, again
+
+
+def _unsynced_message(run_dir: Path, unsynced: list[Path]) -> str:
+    """Why --overwrite leaves `run_dir`: its offline W&B runs `unsynced` (`unsynced_wandb`)
+    were never uploaded, so removing them would lose them; the `wandb sync` line that uploads
+    them (then --overwrite goes on, as with a run synced or without W&B), or how to drop them."""
+    sync = shlex.join(["wandb", "sync", *map(str, unsynced)])
+    return (f"{run_dir}: --overwrite: expected its offline W&B run uploaded first (wandb sync "
+            f"leaves a *{WANDB_SYNCED} file beside each .wandb file it uploads), found "
+            f"{shortlist([p.name for p in unsynced], 4)} without one; nothing was removed: "
+            f"upload it with: {sync}, then pass --overwrite again; or, to lose it, remove "
+            f"{run_dir / 'wandb'} first, or choose another --run-id")
 
 
 def _cannot_take(run_dir: Path, e: OSError) -> str:
