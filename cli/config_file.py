@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from toymlx.backend.files import json_fault, special_kind
+from toymlx.runner.api import caller_text
 
 CONFIG_FLAGS = ("-c", "--config")
 CONFIG_HELP = ("-c/--config FILE: options from a YAML or JSON file, keys spelled as the flags "
@@ -122,9 +123,12 @@ def mlx_lm_hint(key: str, prog: str) -> str | None:
         return None
     whose = ("toymlx" if command == "toymlx-train" else command if name in own
              else "toymlx-train")
+    # toymlx's side in the caller's words: a `toymlx.train` call's keywords, as its relay
+    # leaves this clause, another tool's, unchanged (`caller_text`)
+    said = caller_text(text, prog.rpartition(" ")[2]) if whose == "toymlx" else text
     if not text.startswith("--"):
-        return f"mlx-lm's {key} has no {whose} option: {text}"
-    return f"mlx-lm's {key} is {whose}'s {text}"
+        return f"mlx-lm's {key} has no {whose} option: {said}"
+    return f"mlx-lm's {key} is {whose}'s {said}"
 
 
 class ConfigFileError(ValueError):

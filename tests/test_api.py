@@ -649,6 +649,34 @@ def test_the_config_file_is_named_as_the_config_keyword(tmp_path):
         "toymlx-train: error: config: expected one config file, found a.yaml and b.yaml")
 
 
+def test_an_mlx_lm_key_s_hint_names_train_s_keyword(tmp_path, capsys):
+    """mlx-lm's `iters` in a config file (or as a keyword) is refused with a hint naming its
+    toymlx counterpart; to a caller of `train` it said toymlx's --steps, a flag, as the clause
+    that names mlx-lm's key is kept whole by the relay. It names train's keyword now (steps),
+    as the command's own line names the flag."""
+    from toymlx_cli.train import main
+
+    import toymlx
+
+    file = tmp_path / "f.yaml"
+    file.write_text("base: m.gguf\nseq_len: 64\niters: 5\n")  # toymlx's keys: not mlx-lm's file
+    unknown = f"{file}: key 'iters': expected an option of "
+    with pytest.raises(toymlx.OptionError) as caught:
+        toymlx.train("lora", config=str(file), runs_root=str(tmp_path), echo=False)
+    assert str(caught.value) == (f'toymlx-train: error: {unknown}toymlx.train("lora"), found '
+                                 "an unknown key; mlx-lm's iters is toymlx's steps")
+    with pytest.raises(toymlx.OptionError) as caught:
+        toymlx.train("lora", base="m.gguf", iters=5, runs_root=str(tmp_path), echo=False)
+    assert str(caught.value) == (
+        'toymlx-train: error: iters: expected an option of toymlx.train("lora"), got an unknown '
+        "one; mlx-lm's --iters is toymlx's steps")
+    assert main(["--recipe", "lora", "-c", str(file), "--runs-root", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"toymlx-train: error: {unknown}toymlx-train --recipe lora, found an unknown key; "
+        "mlx-lm's iters is toymlx's --steps")
+    assert list(tmp_path.iterdir()) == [file]
+
+
 def test_the_commands_notes_are_told_in_the_keywords_train_takes(tmp_path, capsys):
     """A note the run says at start (a default it keeps, a key of an mlx-lm file it does not
     use) names the keywords `train` takes, through the translation its refusals use, where the
