@@ -99,7 +99,10 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool, default_id: bool = 
                            f"a run bundle, found others too: {shortlist(foreign, 4)}; nothing was "
                            "removed: move them out of the run folder, or choose another "
                            "--run-id or --runs-root")
-        if overwrite and (unsynced := unsynced_wandb(run_dir)):  # W&B has no copy of them
+        # W&B has no copy of an offline run; one of a run that trained nothing holds nothing
+        # to upload (as `started_over` says, removing it)
+        if (overwrite and (unsynced := unsynced_wandb(run_dir))
+                and untrained_events(run_dir) is None):
             raise RunError(_unsynced_message(run_dir, unsynced))
         for p in held:  # --overwrite, "empty" or started over: ours, nobody writes into it
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
@@ -218,26 +221,16 @@ def started_over(run_dir: Path, options: Any) -> str | None:
     """The line saying a fresh run of `options` starts `run_dir` over, where the folder
     provably holds nothing trained of a run of the same options: its config.json records
     `options` (the same command; --overwrite aside, which says what to do with a folder, not
-    what the run is), events.jsonl (if any) holds only what a run writes before its first step
-    (`UNTRAINED_EVENTS`, none past step 0, no garbled line), no checkpoint (in weights/ or set
-    aside), no resume's cut, no export, and only files toymlx writes (`not_written_by_toymlx`,
-    as --overwrite checks): what a kill -9 during the startup, --eval-at-start or the first
-    step leaves. None otherwise: the folder is refused as before."""
+    what the run is), and it trained nothing (`untrained_events`): what a kill -9 during the
+    startup, --eval-at-start or the first step leaves. None otherwise: the folder is refused
+    as before."""
     saved = saved_config(run_dir)
     given = json.loads(json.dumps(dataclasses.asdict(options)))
     if saved is None or ({k: v for k, v in saved["config"].items() if k != "overwrite"}
                          != {k: v for k, v in given.items() if k != "overwrite"}):
         return None
-    weights, events = run_dir / "weights", []
-    if (run_dir / EVENTS_FILE).exists():
-        log = read_log(run_dir)
-        events = log.events
-        if log.damaged or any(e["kind"] not in UNTRAINED_EVENTS
-                              or e.get("step", e.get("final_step", 0)) != 0 for e in log.events):
-            return None
-    if (ck.list_checkpoints(weights) or (weights / ck.SUPERSEDED).exists()
-            or any((run_dir / name).exists() for name in CUT_FILES)
-            or any(run_dir.glob("fused-*.gguf")) or not_written_by_toymlx(run_dir)):
+    events = untrained_events(run_dir)
+    if events is None:
         return None
     ends = [e for e in events if e["kind"] == "run_end"]
     when = (f"ended ({ends[-1].get('reason')}) at step 0" if ends else "was killed during its "
@@ -249,6 +242,26 @@ def started_over(run_dir: Path, options: Any) -> str | None:
                if online_wandb(run_dir) else
                "; its offline W&B run goes with it: there is nothing of it to wandb sync"
                if offline_wandb(run_dir) else ""))
+
+
+def untrained_events(run_dir: Path) -> list[dict] | None:
+    """The events of a run folder that provably holds nothing trained (`started_over`'s test,
+    whatever its options), else None: events.jsonl, if any, holds only what a run writes before
+    its first step (`UNTRAINED_EVENTS`, none past step 0, no garbled line), and there is no
+    checkpoint (in weights/ or set aside), no resume's cut, no export, and only files toymlx
+    writes (`not_written_by_toymlx`)."""
+    weights, events = run_dir / "weights", []
+    if (run_dir / EVENTS_FILE).exists():
+        log = read_log(run_dir)
+        events = log.events
+        if log.damaged or any(e["kind"] not in UNTRAINED_EVENTS
+                              or e.get("step", e.get("final_step", 0)) != 0 for e in log.events):
+            return None
+    if (ck.list_checkpoints(weights) or (weights / ck.SUPERSEDED).exists()
+            or any((run_dir / name).exists() for name in CUT_FILES)
+            or any(run_dir.glob("fused-*.gguf")) or not_written_by_toymlx(run_dir)):
+        return None
+    return events
 
 
 def not_written_by_toymlx(run_dir: Path) -> list[str]:
