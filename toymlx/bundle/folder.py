@@ -99,11 +99,9 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool, default_id: bool = 
                            f"a run bundle, found others too: {shortlist(foreign, 4)}; nothing was "
                            "removed: move them out of the run folder, or choose another "
                            "--run-id or --runs-root")
-        # W&B has no copy of an offline run; one of a run that trained nothing holds nothing
-        # to upload (as `started_over` says, removing it)
-        if (overwrite and (unsynced := unsynced_wandb(run_dir))
-                and untrained_events(run_dir) is None):
-            raise RunError(_unsynced_message(run_dir, unsynced))
+        if overwrite and (unsynced := wandb_to_upload(run_dir)):
+            raise RunError(f"{run_dir}: --overwrite: " + upload_first(
+                run_dir, unsynced, "pass --overwrite again") + ", or choose another --run-id")
         for p in held:  # --overwrite, "empty" or started over: ours, nobody writes into it
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         (run_dir / "weights").mkdir(exist_ok=True)
@@ -120,16 +118,25 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool, default_id: bool = 
     return run_dir, lock, again
 
 
-def _unsynced_message(run_dir: Path, unsynced: list[Path]) -> str:
-    """Why --overwrite leaves `run_dir`: its offline W&B runs `unsynced` (`unsynced_wandb`)
-    were never uploaded, so removing them would lose them; the `wandb sync` line that uploads
-    them (then --overwrite goes on, as with a run synced or without W&B), or how to drop them."""
+def wandb_to_upload(run_dir: Path) -> list[Path]:
+    """The offline W&B runs that replacing `run_dir` would lose (`unsynced_wandb`: W&B has no
+    copy of them), none where the run trained nothing: those hold nothing to upload (as
+    `started_over` says, removing them). --overwrite and a sweep starting a run over ask it."""
+    unsynced = unsynced_wandb(run_dir)
+    return unsynced if unsynced and untrained_events(run_dir) is None else []
+
+
+def upload_first(run_dir: Path, unsynced: list[Path], then: str) -> str:
+    """Why a run in `run_dir` is not replaced: its offline W&B runs `unsynced`
+    (`wandb_to_upload`) were never uploaded; the `wandb sync` line that uploads them, `then`
+    what to do again (the replacement goes on, as with a run synced or without W&B), or how to
+    lose them. The caller names what replaces it (--overwrite, a sweep) and adds its own way out."""
     sync = shlex.join(["wandb", "sync", *map(str, unsynced)])
-    return (f"{run_dir}: --overwrite: expected its offline W&B run uploaded first (wandb sync "
-            f"leaves a *{WANDB_SYNCED} file beside each .wandb file it uploads), found "
+    return (f"expected its offline W&B run uploaded first (wandb sync leaves a *{WANDB_SYNCED} "
+            f"file beside each .wandb file it uploads), found "
             f"{shortlist([p.name for p in unsynced], 4)} without one; nothing was removed: "
-            f"upload it with: {sync}, then pass --overwrite again; or, to lose it, remove "
-            f"{run_dir / 'wandb'} first, or choose another --run-id")
+            f"upload it with: {sync}, then {then}; or, to lose it, remove "
+            f"{run_dir / 'wandb'} first")
 
 
 def _cannot_take(run_dir: Path, e: OSError) -> str:
