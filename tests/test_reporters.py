@@ -735,6 +735,32 @@ def test_overwrite_keeps_an_offline_w_and_b_run_until_wandb_sync_uploaded_it(
     assert offline.name not in {p.name for p in (run / "wandb").glob("offline-run-*")}
 
 
+def test_a_taken_run_id_says_overwrite_waits_for_its_offline_w_and_b_run(tmp_path, text_path,
+                                                                         capsys):
+    """A run id taken was refused with "pass ... --overwrite to replace it", which then was
+    refused too where the run folder held an offline W&B run `wandb sync` never uploaded. Now
+    the first line says so, with the `wandb sync` line; without such a run, as before."""
+    import shlex
+
+    runs = tmp_path / "runs"
+    run = runs / "r"
+    flags = ["--recipe", "from-scratch", *TINY, "--steps", "2", "--data.path", str(text_path),
+             "--runs-root", str(runs), "--run-id", "r"]
+    assert main(flags) == 0
+    offline = run / "wandb" / "offline-run-20261205_074400-abc"  # as W&B offline writes it
+    offline.mkdir(parents=True)
+    (offline / "run-abc.wandb").write_bytes(b"the run's only copy")
+    capsys.readouterr()
+    assert main(flags) == 2
+    head = (f"toymlx-train: error: {run}: run bundle already exists; pass --resume {run} to "
+            "continue it, --overwrite to replace it")
+    assert error_line(capsys) == (f"{head} once its offline W&B run is uploaded (wandb sync "
+                                  f"{shlex.quote(str(offline))}), or choose another --run-id")
+    (offline / "run-abc.wandb.synced").touch()  # as `wandb sync` marks what it uploaded
+    assert main(flags) == 2
+    assert error_line(capsys) == f"{head}, or choose another --run-id"
+
+
 def test_a_resumes_tensorboard_file_is_read_after_its_runs(tmp_path):
     """TensorBoard reads a run folder's event files in name order
     (`events.out.tfevents.SECONDS.HOST.PID.N`, N not zero-padded): a resume's writer made by

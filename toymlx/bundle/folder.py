@@ -131,12 +131,16 @@ def upload_first(run_dir: Path, unsynced: list[Path], then: str) -> str:
     (`wandb_to_upload`) were never uploaded; the `wandb sync` line that uploads them, `then`
     what to do again (the replacement goes on, as with a run synced or without W&B), or how to
     lose them. The caller names what replaces it (--overwrite, a sweep) and adds its own way out."""
-    sync = shlex.join(["wandb", "sync", *map(str, unsynced)])
     return (f"expected its offline W&B run uploaded first (wandb sync leaves a *{WANDB_SYNCED} "
             f"file beside each .wandb file it uploads), found "
             f"{shortlist([p.name for p in unsynced], 4)} without one; nothing was removed: "
-            f"upload it with: {sync}, then {then}; or, to lose it, remove "
+            f"upload it with: {_sync_line(unsynced)}, then {then}; or, to lose it, remove "
             f"{run_dir / 'wandb'} first")
+
+
+def _sync_line(unsynced: list[Path]) -> str:
+    """The `wandb sync` command line that uploads the offline W&B runs `unsynced`."""
+    return shlex.join(["wandb", "sync", *map(str, unsynced)])
 
 
 def _cannot_take(run_dir: Path, e: OSError) -> str:
@@ -307,8 +311,11 @@ def _taken_message(run_dir: Path, what: str, held: list[Path]) -> str:
     if what == "run":
         hint = ("" if ck.list_checkpoints(run_dir / "weights")
                 else f" (--resume {run_dir} --from step_0 to start it over)")
+        # said here too: --overwrite would be refused until then (`upload_first`)
+        upload = wandb_to_upload(run_dir)
+        sync = f" once its offline W&B run is uploaded ({_sync_line(upload)})" if upload else ""
         return (f"{run_dir}: run bundle already exists; pass --resume {run_dir} to continue "
-                f"it{hint}, --overwrite to replace it, or choose another --run-id")
+                f"it{hint}, --overwrite to replace it{sync}, or choose another --run-id")
     if what == "unstarted":
         return (f"{run_dir}: a run bundle already exists but never reached its first step "
                 f"({CONFIG_FILE}, no {EVENTS_FILE}); pass --overwrite to replace it, --resume "
