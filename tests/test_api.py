@@ -653,7 +653,8 @@ def test_an_mlx_lm_key_s_hint_names_train_s_keyword(tmp_path, capsys):
     """mlx-lm's `iters` in a config file (or as a keyword) is refused with a hint naming its
     toymlx counterpart; to a caller of `train` it said toymlx's --steps, a flag, as the clause
     that names mlx-lm's key is kept whole by the relay. It names train's keyword now (steps),
-    as the command's own line names the flag."""
+    and the file's key (steps) where the command read the file (it named the flag --steps
+    there); the flag where a flag was given."""
     from toymlx_cli.train import main
 
     import toymlx
@@ -673,7 +674,9 @@ def test_an_mlx_lm_key_s_hint_names_train_s_keyword(tmp_path, capsys):
     assert main(["--recipe", "lora", "-c", str(file), "--runs-root", str(tmp_path)]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"toymlx-train: error: {unknown}toymlx-train --recipe lora, found an unknown key; "
-        "mlx-lm's iters is toymlx's --steps")
+        "mlx-lm's iters is toymlx's steps")
+    assert main(["--recipe", "lora", "--base", "m.gguf", "--iters", "5"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("mlx-lm's --iters is toymlx's --steps")
     assert list(tmp_path.iterdir()) == [file]
 
 

@@ -508,7 +508,7 @@ def test_toymlx_s_own_files_keep_their_meaning(tmp_path, capsys):
     assert main(["-c", str(f)]) == 2
     assert error_line(capsys) == (f"toymlx-train: error: {f}: key 'learning_rate': expected an "
                                   "option of toymlx-train --recipe lora, found an unknown key; "
-                                  "mlx-lm's learning_rate is toymlx's --lr")
+                                  "mlx-lm's learning_rate is toymlx's lr")
     assert mlx_lm_options({"model": "u/r"}, "f")[0]["base"] == "hf:u/r"
 
 
@@ -1809,6 +1809,8 @@ def test_a_sweep_grid_flag_spelt_as_mlx_lm_s_key_names_its_toymlx_option_alone(
 
 def test_a_sweep_grid_key_spelt_as_mlx_lm_s_names_toymlx_s_option(tmp_path, base, data,
                                                                    capsys):
+    """A sweep file's `grid: {learning_rate: ...}` names toymlx's option as the grid key to
+    write there (lr; it named the flag --lr)."""
     from toymlx_cli.sweep import main as sweep_main
 
     path = tmp_path / "lora_config.yaml"
@@ -1817,5 +1819,5 @@ def test_a_sweep_grid_key_spelt_as_mlx_lm_s_names_toymlx_s_option(tmp_path, base
     assert sweep_main(["-c", str(path), "--runs-root", str(tmp_path / "s")]) == 2
     assert error_line(capsys, "toymlx-sweep") == (
         f"toymlx-sweep: error: {path}: key 'grid.learning_rate': expected an option of recipe "
-        "lora, found no option --learning-rate; mlx-lm's learning_rate is toymlx's --lr")
+        "lora, found no option --learning-rate; mlx-lm's learning_rate is toymlx's lr")
     assert not (tmp_path / "s").exists()

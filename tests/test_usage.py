@@ -365,14 +365,15 @@ def test_mlx_lm_s_flags_are_named_as_each_command_takes_them(capsys, command, fl
                                  f"unknown one; {want}")
 
 
-def test_a_peft_key_in_a_config_file_is_named_as_its_flag_is(capsys, tmp_path, monkeypatch):
-    """PEFT's `r: 16` in a lora -c file (before: "did you mean --run-id?" or nothing)."""
+def test_a_peft_key_in_a_config_file_is_named_as_its_key_is(capsys, tmp_path, monkeypatch):
+    """PEFT's `r: 16` in a lora -c file (before: "did you mean --run-id?" or nothing), toymlx's
+    option named as the file's key (it named the flag --lora.rank)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "c.yaml").write_text("r: 16\n")
     assert main(["--recipe", "lora", "-c", "c.yaml"]) == 2
     assert only_line(capsys) == (
         "toymlx-train: error: c.yaml: key 'r': expected an option of toymlx-train --recipe lora, "
-        "found an unknown key; PEFT's r is toymlx's --lora.rank")
+        "found an unknown key; PEFT's r is toymlx's lora.rank")
 
 
 @pytest.mark.parametrize("recipe,flag,want", [
