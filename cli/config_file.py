@@ -62,7 +62,9 @@ MLX_LM_KEYS = {
     "mask_prompt": "--data.mask-prompt (with --data.train-turns last, as mlx-lm)",
     "train": "toymlx-train always trains; drop it",
     "steps_per_report": "--report-every",
-    "test_batches": "--test scores all of test.jsonl; drop it",
+    # not a flag first: "mlx-lm's test_batches is toymlx's --test scores ..." read as a
+    # counterpart that is not one
+    "test_batches": "toymlx scores all of test.jsonl (--test), every batch; drop it",
     "optimizer": "--optimizer (the lora recipe)",
     **{f"{part}_feature": f"--data.keys {key}=NAME (a row's NAME read as its {key})"
        for part, key in (("prompt", "prompt"), ("completion", "completion"), ("text", "text"),

@@ -674,6 +674,9 @@ def test_timm_s_flags_are_named_with_toymlx_s(capsys, tmp_path, monkeypatch, arg
     # before: "mlx-lm's --train is toymlx's nothing (toymlx-train always trains)"
     ("lora", "--train", ("mlx-lm's --train has no toymlx option: toymlx-train always trains; "
      "drop it")),
+    # before: "mlx-lm's --test-batches is toymlx's --test scores all of test.jsonl; drop it"
+    ("lora", "--test-batches", ("mlx-lm's --test-batches has no toymlx option: toymlx scores all "
+     "of test.jsonl (--test), every batch; drop it")),
     # nanoGPT's, each recipe its own (before: vit-tiny's --dataset "a text file", --dropout
     # and --bias "its Llama")
     ("from-scratch", "--dataset", ("nanoGPT's dataset is toymlx's --data.path (a text file, not "
