@@ -145,11 +145,16 @@ class Bundle:
         log = ev.read_log(path)
         cfg, used, moved = resolve_inputs(cfg, saved, source, given, moved_inputs(log.events))
         cfg.steps = _planned_steps(log.events, cfg.steps)
+        bundle = cls(path, saved["recipe"], module, cfg, saved, log)
         try:
             check_config(module, cfg)
         except ValueError as e:
-            raise RunError(f"{source}: {e}") from None
-        bundle = cls(path, saved["recipe"], module, cfg, saved, log)
+            # a value refused in a file the user edited: the edit named, not only a flag nobody
+            # gave (`--steps: expected >= 1`)
+            edit = bundle.edit_said()
+            raise RunError(f"{source}: {edit}: config.json was edited after the run started, "
+                           f"and the edit is refused ({e}): put it back" if edit else
+                           f"{source}: {e}") from None
         bundle.used, bundle.moved, bundle.before = used, moved, before
         return bundle
 
@@ -321,22 +326,30 @@ class Bundle:
         want = start.get("config_sha256")
         if not isinstance(want, str) or config_digest(self.saved) == want:
             return
-        was = start.get("config") if isinstance(start.get("config"), dict) else {}
-        now = self.saved["config"]
-        theirs, ours = start.get("run_id"), now.get("run_id")
+        theirs, ours = start.get("run_id"), self.saved["config"].get("run_id")
         if isinstance(theirs, str) and theirs != ours:  # a file copied in from another run
             raise RunError(f"{events}: --resume: expected the record of the run "
                            f"{self.path / CONFIG_FILE} holds (run_id {ours!r}), found that of "
                            f"run_id {theirs!r}: the two files belong to different runs; put "
                            "back this run's own events.jsonl (or config.json)")
+        raise RunError(f"{self.path / CONFIG_FILE}: {self.edit_said()}: config.json was edited "
+                       "after the run started, and a resumed run keeps its configuration: put "
+                       "it back, or adopt it as it is with --from step_N")
+
+    def edit_said(self) -> str | None:
+        """How config.json differs from what the run's run_start recorded (its digest): the
+        key edited, its recorded value and its value now, else both digests; None where it
+        does not differ, or no record says."""
+        start = self.start_event or {}
+        want = start.get("config_sha256")
+        if not isinstance(want, str) or config_digest(self.saved) == want:
+            return None
+        was = start.get("config") if isinstance(start.get("config"), dict) else {}
         edit = _edited_key(self.saved, was, want)
-        what = (f"key 'config.{edit[0]}': expected {edit[1]!r} (recorded when the run "
-                f"started), found {edit[2]!r}" if edit is not None else
+        return (f"key 'config.{edit[0]}': expected {json.dumps(edit[1])} (recorded when the "
+                f"run started), found {json.dumps(edit[2])}" if edit is not None else
                 f"expected the contents recorded when the run started (sha256 {want[:12]}), "
                 f"found others (sha256 {config_digest(self.saved)[:12]})")
-        raise RunError(f"{self.path / CONFIG_FILE}: {what}: config.json was edited after the "
-                       "run started, and a resumed run keeps its configuration: put it back, "
-                       "or adopt it as it is with --from step_N")
 
     @property
     def start_event(self) -> dict | None:
