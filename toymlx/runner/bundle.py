@@ -442,13 +442,13 @@ class Bundle:
         RunError or ResumeError (one line, with the command that works) when there is none."""
         weights = self.path / "weights"
         note = None
+        written = sorted({e["step"] for e in self.events if e["kind"] == "checkpoint"
+                          and isinstance(e.get("step"), int)})  # as events.jsonl records them
         if weights.exists() and not weights.is_dir():
-            steps = sorted({e["step"] for e in self.events if e["kind"] == "checkpoint"
-                            and isinstance(e.get("step"), int)})
             raise RunError(f"{weights}: --resume: expected the run's checkpoint folder, found "
                            f"{special_kind(weights) or 'a file'}; "
-                           + (f"the events record checkpoints up to step_{steps[-1]}: put the "
-                              "folder back to resume from them" if steps else
+                           + (f"the events record checkpoints up to step_{written[-1]}: put the "
+                              "folder back to resume from them" if written else
                               f"remove it to start over: toymlx-train --resume {self.path} "
                               "--from step_0"))
         if from_text is not None:
@@ -457,6 +457,12 @@ class Bundle:
                 return self._check_steps(Resume(0, None, steps_before=self.config.steps), steps)
             ckpt = ck.find_checkpoint(weights, step)
         else:
+            if not ck.list_checkpoints(weights) and written:  # removed: not "never written"
+                raise RunError(f"{weights}: --resume: expected the run's checkpoints "
+                               f"(events.jsonl records them up to step_{written[-1]}), found "
+                               "none; put them back to resume from them, or start the run over "
+                               "with its saved configuration: toymlx-train --resume "
+                               f"{self.path} --from step_0")
             if not ck.list_checkpoints(weights):
                 lost = max((e["step"] for e in self.events
                             if e["kind"] == "step" and isinstance(e.get("step"), int)), default=0)
