@@ -752,3 +752,23 @@ def test_a_wide_terminal_keeps_its_width(monkeypatch, capsys):
     for columns, width in ((20, 80), (120, 120)):
         out = help_text(monkeypatch, capsys, "eval", ["--help"], columns)
         assert max(len(line) for line in out.splitlines() if "-c/--config" not in line) == width
+
+
+@pytest.mark.parametrize("command", ["eval", "generate", "export"])
+def test_train_s_from_given_to_a_command_that_reads_a_run_names_the_checkpoint_file(
+        capsys, tmp_path, monkeypatch, command):
+    """`toymlx-eval --model runs/x --from step_10` (toymlx-train's way to pick a checkpoint)
+    was an unknown option with no hint, or "did you mean --prompt?" (generate), "--format?"
+    (export). Now the checkpoint's own file, given where the run folder goes."""
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    run_main = importlib.import_module(f"toymlx_cli.{command}").main
+    assert run_main(["--from", "step_10"]) == 2
+    prog = f"toymlx-{command}"
+    assert only_line(capsys) == (
+        f"{prog}: error: --from: expected an option of {prog}, got an unknown one; --from is "
+        "toymlx-train's (the checkpoint a resume goes on from); here give that checkpoint's file "
+        "where you give the run folder: RUN/weights/step_N.gguf (a LoRA run's: "
+        "RUN/weights/adapter_step_N.gguf)")
+    assert list(tmp_path.iterdir()) == []
