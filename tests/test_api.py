@@ -432,6 +432,30 @@ def test_an_on_off_option_given_another_value_is_named_with_true_or_false(tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_number_given_for_a_path_or_name_and_a_stray_echo_are_refused(tmp_path,
+                                                                        monkeypatch):
+    """`run_id=5` and `resume=5` raised a bare TypeError from pathlib; `data={"path": 5}` ran
+    the command on a file named 5, `base=3` on one named 3; `echo="no"` relayed every line, as
+    True does. Now each is an OptionError naming the keyword and what it takes, before anything
+    starts; a step number for from_step stays a step (`from_step=10` is `--from 10`)."""
+    import toymlx
+
+    monkeypatch.chdir(tmp_path)
+    takes = "expected a str (a path or name, as its flag takes) or a pathlib.Path"
+    for recipe, options, want in [
+            ("vit-tiny", {"run_id": 5}, f"run_id: {takes}, found 5 (int)"),
+            (None, {"resume": 5}, f"resume: {takes}, found 5 (int)"),
+            (None, {"config": 2.0}, f"config: {takes}, found 2.0 (float)"),
+            ("vit-tiny", {"data": {"path": 5}}, f'data={{"path": ...}}: {takes}, found 5 (int)'),
+            ("lora", {"base": 3}, f"base: {takes}, found 3 (int)"),
+            ("vit-tiny", {"wandb_project": True}, f"wandb_project: {takes}, found True (bool)"),
+            ("vit-tiny", {"echo": "no"}, "echo: expected True or False, found 'no'")]:
+        with pytest.raises(toymlx.OptionError) as e:
+            toymlx.train(*[recipe][:recipe is not None], **{"echo": False, **options})
+        assert str(e.value) == want
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_refused_options_and_failed_runs_are_told_apart_by_type(tmp_path):
     """`except toymlx.OptionError` (a ValueError: nothing trained, no bundle) against
     `except toymlx.TrainError` (a RuntimeError: the run started and failed, its summary
