@@ -290,8 +290,11 @@ def read_config_file(path: str) -> dict[str, Any]:
     value JSON cannot hold (`plain_json`)."""
     p = Path(path)
     if p.is_dir() or (kind := special_kind(p)):
+        # a run folder's options are its config.json (`-c runs/x` for the run's settings)
+        run = (f"a run folder; its options are -c {p / 'config.json'}"
+               if (p / "config.json").is_file() else None)
         raise ConfigFileError(f"{p}: -c/--config: expected a YAML or JSON file, found "
-                              f"{'a directory' if p.is_dir() else kind}")
+                              f"{run or ('a directory' if p.is_dir() else kind)}")
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:

@@ -615,3 +615,22 @@ def test_file_key_error_names_the_key_a_flag_does_not_give_over_the_file():
     assert file_key_error("out of memory", keys, "f.yaml") == "out of memory"
     assert under_the_flags(keys, ["--no-compile", "--lora.rank=2", "--lora.init_adapter",
                                   "x"]) == {"--base": "base"}
+
+
+def test_a_run_folder_given_to_c_names_its_config_json(tmp_path, capsys):
+    """`toymlx-train -c runs/x` (the run's settings, as the guide says of its config.json) read
+    "expected a YAML or JSON file, found a directory"; now it names the run's config.json. Any
+    other folder as before."""
+    from toymlx_cli.train import main
+
+    run = tmp_path / "x"
+    run.mkdir()
+    (run / "config.json").write_text('{"recipe": "vit-tiny", "config": {}}')
+    assert main(["-c", str(run), "--run-id", "again"]) == 2
+    assert error_line(capsys) == (f"toymlx-train: error: {run}: -c/--config: expected a YAML or "
+                                  "JSON file, found a run folder; its options are -c "
+                                  f"{run / 'config.json'}")
+    assert main(["-c", str(tmp_path), "--run-id", "again"]) == 2
+    assert error_line(capsys) == (f"toymlx-train: error: {tmp_path}: -c/--config: expected a "
+                                  "YAML or JSON file, found a directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]
