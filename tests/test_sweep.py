@@ -1113,7 +1113,7 @@ def test_an_option_spelt_with_hyphens_or_underscores_is_one_sweep(tmp_path):
     ("grid: {lr: [1e-3]}\nlr: fast", ("key 'lr': expected a number, found \"fast\" (a string); fix "
      "it, or remove the key to take its default")),
     ("grid: {lr: [1e-3]}\nmodle: {d_model: 8}", ("key 'modle.d_model': expected an option of "
-     "toymlx-train --recipe from-scratch, found an unknown key; did you mean --model.d-model?")),
+     "toymlx-train --recipe from-scratch, found an unknown key; did you mean model.d_model?")),
     ("grid: {lr: [1e-3]}\nrun_id: x", ("key 'run_id': expected no --run-id in a sweep file (the "
      "sweep sets it for each run), found \"x\"; remove it")),
     # W&B's parameter form (it was 'key 'grid.lr.values': ... found no option --lr.values')
