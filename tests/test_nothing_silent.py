@@ -363,6 +363,23 @@ def test_an_edit_of_config_json_a_check_refuses_is_named_as_the_edit(runs, capsy
         "back")
 
 
+def test_an_edited_recipe_in_config_json_is_named_as_the_edit(runs, capsys):
+    """config.json's recipe edited (from-scratch -> warm-start) was refused on the first option
+    the other recipe lacks ("key 'config.tokenizer': expected an option of this recipe"),
+    nothing naming the key edited. Now that key, with the recipe run_start recorded."""
+    a, _ = runs
+    saved = json.loads((a / "config.json").read_text())
+    saved["recipe"] = "warm-start"
+    (a / "config.json").write_text(json.dumps(saved, indent=2))
+    before = _files(a)
+    assert _resume(a) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a / 'config.json'}: key 'recipe': expected \"from-scratch\" "
+        "(recorded when the run started), found \"warm-start\": config.json was edited after "
+        "the run started: put it back")
+    assert _files(a) == before
+
+
 def test_a_resume_of_an_events_jsonl_cut_inside_its_first_line_says_so(runs, capsys):
     """events.jsonl cut inside its run_start line (a copy taken while the run started) was
     "found an empty file" for a file of hundreds of bytes."""

@@ -216,9 +216,14 @@ def test_resume_may_extend_steps_and_change_run_local_options(tmp_path, stopped)
      "key 'config.steps': expected an integer, found \"forty\" (a string)"),
     (lambda c: {**c, "config": {**c["config"], "model": None}},
      "key 'config.model': expected an object of options, found null (null)"),
+    # an edited recipe is named as the edit (it was "key 'config.seq_len': expected an option
+    # of this recipe", "key 'recipe': --recipe: expected one of ...")
     (lambda c: {**c, "recipe": "vit-tiny"},
-     "key 'config.seq_len': expected an option of this recipe, found an unknown key"),
-    (lambda c: {**c, "recipe": "no-such"}, "key 'recipe': --recipe: expected one of"),
+     ("key 'recipe': expected \"from-scratch\" (recorded when the run started), found "
+      "\"vit-tiny\": config.json was edited after the run started: put it back")),
+    (lambda c: {**c, "recipe": "no-such"},
+     ("key 'recipe': expected \"from-scratch\" (recorded when the run started), found "
+      "\"no-such\"")),
     (lambda c: {**c, "config": {**c["config"], "lr": True}},
      "key 'config.lr': expected a number, found true (a boolean)"),
     (lambda c: {**c, "config": {**c["config"], "steps": -5}}, "--steps: expected >= 1"),

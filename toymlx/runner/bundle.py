@@ -125,6 +125,14 @@ class Bundle:
         path = Path(path)
         saved = read_config(path, flag)
         source = str(path / CONFIG_FILE)
+        log = ev.read_log(path)
+        recorded = (ev.run_start(log.events) or {}).get("recipe")
+        if isinstance(recorded, str) and recorded != saved["recipe"]:
+            # an edited recipe: its options are refused one by one as not the new recipe's
+            # ("key 'config.label_smoothing': expected an option of this recipe")
+            raise RunError(f"{source}: key 'recipe': expected {json.dumps(recorded)} (recorded "
+                           f"when the run started), found {json.dumps(saved['recipe'])}: "
+                           "config.json was edited after the run started: put it back")
         try:
             module = get_recipe(saved["recipe"])
         except ValueError as e:
@@ -142,7 +150,6 @@ class Bundle:
                                optional=added_since(fmt))  # see CONFIG_FORMAT
         before = as_before(cfg, saved["config"], fmt, source,  # the paths as recorded
                            getattr(module, "settle", None))
-        log = ev.read_log(path)
         cfg, used, moved = resolve_inputs(cfg, saved, source, given, moved_inputs(log.events))
         cfg.steps = _planned_steps(log.events, cfg.steps)
         bundle = cls(path, saved["recipe"], module, cfg, saved, log)
