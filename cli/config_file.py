@@ -24,13 +24,14 @@ import difflib
 import json
 import re
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from toymlx.backend.files import json_fault, special_kind
+from toymlx.runner.api import caller_text
 
 CONFIG_FLAGS = ("-c", "--config")
 CONFIG_HELP = ("-c/--config FILE: options from a YAML or JSON file, keys spelled as the flags "
@@ -61,7 +62,9 @@ MLX_LM_KEYS = {
     "mask_prompt": "--data.mask-prompt (with --data.train-turns last, as mlx-lm)",
     "train": "toymlx-train always trains; drop it",
     "steps_per_report": "--report-every",
-    "test_batches": "--test scores all of test.jsonl; drop it",
+    # not a flag first: "mlx-lm's test_batches is toymlx's --test scores ..." read as a
+    # counterpart that is not one
+    "test_batches": "toymlx scores all of test.jsonl (--test), every batch; drop it",
     "optimizer": "--optimizer (the lora recipe)",
     **{f"{part}_feature": f"--data.keys {key}=NAME (a row's NAME read as its {key})"
        for part, key in (("prompt", "prompt"), ("completion", "completion"), ("text", "text"),
@@ -110,10 +113,11 @@ adapters to read, not the folder training writes), or toymlx-train's flag is the
 too (toymlx-eval's --data.path). Others are named as toymlx-train's (`MLX_LM_KEYS`)."""
 
 
-def mlx_lm_hint(key: str, prog: str) -> str | None:
+def mlx_lm_hint(key: str, prog: str, in_file: bool = False) -> str | None:
     """What `prog` (toymlx-export, or toymlx-train --recipe lora) takes for mlx-lm's `key`
     (`iters`, or its flag `--iters`): the command's own counterpart (`MLX_LM_COMMAND_KEYS`),
-    else toymlx-train's; None for a key mlx-lm does not have."""
+    else toymlx-train's; None for a key mlx-lm does not have. `in_file`: `key` is a config
+    file's, whose hint names the file's keys (`file_words`), not the caller's."""
     name = _norm(key)
     command = prog.split()[0]
     own = MLX_LM_COMMAND_KEYS.get(command, {})
@@ -122,9 +126,13 @@ def mlx_lm_hint(key: str, prog: str) -> str | None:
         return None
     whose = ("toymlx" if command == "toymlx-train" else command if name in own
              else "toymlx-train")
+    # toymlx's side in the caller's words: a `toymlx.train` call's keywords, as its relay
+    # leaves this clause, another tool's, unchanged (`caller_text`)
+    said = caller_text(text, prog.rpartition(" ")[2]) if whose == "toymlx" and not in_file \
+        else text
     if not text.startswith("--"):
-        return f"mlx-lm's {key} has no {whose} option: {text}"
-    return f"mlx-lm's {key} is {whose}'s {text}"
+        return f"mlx-lm's {key} has no {whose} option: {said}"
+    return f"mlx-lm's {key} is {whose}'s {said}"
 
 
 class ConfigFileError(ValueError):
@@ -282,8 +290,11 @@ def read_config_file(path: str) -> dict[str, Any]:
     value JSON cannot hold (`plain_json`)."""
     p = Path(path)
     if p.is_dir() or (kind := special_kind(p)):
+        # a run folder's options are its config.json (`-c runs/x` for the run's settings)
+        run = (f"a run folder; its options are -c {p / 'config.json'}"
+               if (p / "config.json").is_file() else None)
         raise ConfigFileError(f"{p}: -c/--config: expected a YAML or JSON file, found "
-                              f"{'a directory' if p.is_dir() else kind}")
+                              f"{run or ('a directory' if p.is_dir() else kind)}")
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -531,7 +542,20 @@ def closest_option(key: str, keys: Iterable[str]) -> str | None:
     return _flag(close) if close else None
 
 
-def _unknown(source: str, key: str, table: dict[str, tuple[str, ...]], prog: str) -> str:
+FILE_FLAG = re.compile(r"(?<![\w./-])--([a-z][a-z0-9._-]*[a-z0-9])")
+"""A flag named in a hint (`--lora.rank`), not inside a path or another word."""
+
+
+def file_words(text: str, table: Mapping[str, Any]) -> str:
+    """`text`, a hint that names the command's options by their flags, in a config file's words:
+    each of the options of `table` (`option_table`, `_parser_table`) as its key (`--steps` is
+    `steps`, `--lora.rank` `lora.rank`), another flag (a peer's, another command's) as it is."""
+    return FILE_FLAG.sub(lambda m: _norm(m[1]) if _norm(m[1]) in table else m[0], text)
+
+
+def _unknown(source: str, key: str, table: dict[str, Any], prog: str) -> str:
+    """Why a config file's `key` is refused: no option of `prog` (`table`), and what the user
+    meant, named as the file's keys (`file_words`): mlx-lm's `iters` is `steps`, not --steps."""
     from toymlx_cli.usage import flag_hint  # usage imports this module
 
     # a nanoGPT or timm setting as its flag names it, else the closest option by spelling
@@ -542,10 +566,11 @@ def _unknown(source: str, key: str, table: dict[str, tuple[str, ...]], prog: str
         more = ", ..." if len(group) > 3 else ""
         hint = (f"; {key} is a group of options ({', '.join(_flag(k) for k in group[:3])}{more}):"
                 f" write it as a mapping, e.g. {key}: {{{group[0].split('.', 1)[1]}: ...}}")
-    if not group and (said := mlx_lm_hint(key, prog)):  # a plain mlx-lm key; `model.n_layerz`
-        # in a recipe with --model.* options is a misspelt option of that group
+    if not group and (said := mlx_lm_hint(key, prog, in_file=True)):  # a plain mlx-lm key;
+        # `model.n_layerz` in a recipe with --model.* options is a misspelt option of that group
         hint = f"; {said}"
-    return f"{source}: key {key!r}: expected an option of {prog}, found an unknown key{hint}"
+    return (f"{source}: key {key!r}: expected an option of {prog}, found an unknown key"
+            f"{file_words(hint, table)}")
 
 
 def defaults_from_file(cls: type, options: dict[str, Any], source: str, prog: str) -> Any:

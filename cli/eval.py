@@ -301,12 +301,13 @@ def outside_rows(args: Args, model: Any) -> ChatRows:
 
 def check_no_pack(args: Args, found: str) -> None:
     """--data.pack, --data.mask-prompt and their no- forms build chat/SFT rows: given where
-    eval scores other data (`found`: images, text windows), refused in one line, not ignored."""
+    eval scores other data (`found`: images, text windows), refused in one line, not ignored,
+    ending "drop it" as train's refusal on text rows does (`chat_flags_on_text`)."""
     if flags := chat_flags(args):
         name = ", ".join(flags)
         raise ValueError(f"{name}: expected chat/SFT examples to build rows of (a JSONL file or "
                          f"data folder of prompt/completion or messages), found {found}; drop "
-                         f"{name}")
+                         f"{'it' if len(flags) == 1 else 'them'}")
 
 
 def bar_name(args: Args) -> str | None:

@@ -98,24 +98,28 @@ def _axes(args: argparse.Namespace, file_grid: dict, path: str | None,
     (keys compared as option names: model.d-model is model.d_model). `mlx_lm`: the runs' file
     is mlx-lm's, and a grid key spelt as its key (learning_rate) is refused naming toymlx's
     option (--lr)."""
-    from toymlx_cli.config_file import mlx_lm_hint
+    from toymlx_cli.config_file import file_words, mlx_lm_hint, option_table
 
     from toymlx import sweeps as sweep
+    from toymlx.recipes import get_recipe
 
-    def axis(key: str, parse):
+    def axis(key: str, parse, in_file: bool = False):
         try:
             return parse()
         except ValueError as e:
-            hint = mlx_lm and "found no option" in str(e) and mlx_lm_hint(key, "toymlx-train")
+            hint = mlx_lm and "found no option" in str(e) and mlx_lm_hint(key, "toymlx-train",
+                                                                         in_file)
             if not hint:
                 raise
+            if in_file:  # the file's grid key: named as the key to write there (lr, not --lr)
+                hint = file_words(hint, option_table(get_recipe(args.recipe).Config))
             # the option named by mlx-lm's meaning, not the closest by spelling: `iters` got
             # "(did you mean test?)" before naming --steps
             said = re.sub(r" \(did you mean [^)]*\)", "", str(e))
             raise ValueError(f"{said}; {hint}") from None
 
-    axes = {k: axis(k, partial(sweep.file_axis, k, v, args.recipe, f"{path}: key 'grid.{k}'"))
-            for k, v in file_grid.items()}
+    axes = {k: axis(k, partial(sweep.file_axis, k, v, args.recipe, f"{path}: key 'grid.{k}'"),
+                    in_file=True) for k, v in file_grid.items()}
     given: dict[str, str] = {}  # option name -> the --grid that gave it
     for g in args.grid:
         key, values = axis(g.partition("=")[0], partial(sweep.parse_axis, g, args.recipe))

@@ -460,6 +460,18 @@ RECIPE_FLAGS: PeerFlags = {
 --tokenizer FILE` said only "got an unknown one"): whose flag it is, and this recipe's own."""
 
 
+TRAIN_FLAGS: PeerFlags = {
+    "--from": tuple((option, ("--from is toymlx-train's (the checkpoint a resume goes on from); "
+                              "here give that checkpoint's file where you give the run folder: "
+                              "RUN/weights/step_N.gguf (a LoRA run's: "
+                              "RUN/weights/adapter_step_N.gguf)")) for option in ("model",
+                                                                                  "adapter")),
+}
+"""toymlx-train's flags given to a command that reads a run (toymlx-eval, -generate, -export):
+`--from step_10` was "did you mean --prompt?" or no hint, where the checkpoint is named by its
+file, given where the run folder goes (--model, or toymlx-export's --adapter)."""
+
+
 def peer_hint(table: PeerFlags, flag: str, options: Container[str]) -> str | None:
     """What `table` says of another tool's `flag` to a command with `options`: the text of its
     first pair whose option the command has; None for a flag the table lacks."""
@@ -485,7 +497,8 @@ def flag_hint(flag: str, flags: dict[str, bool], prog: str) -> str | None:
     if ("base" in flags or prog in MLX_LM_COMMAND_KEYS) and (said := mlx_lm_hint(flag, prog)):
         return said
     images = "data.image_size" in flags  # vit-tiny's option: the command trains images
-    tables = ((RECIPE_FLAGS, spelt), (LLAMA_CPP_FLAGS, spelt), (LAUNCHER_FLAGS, spelt),
+    tables = ((RECIPE_FLAGS, spelt), (TRAIN_FLAGS, spelt), (LLAMA_CPP_FLAGS, spelt),
+              (LAUNCHER_FLAGS, spelt),
               (OPTIMIZER_FLAGS, spelt),
               *(((TIMM_FLAGS, spelt),) if images else ()),
               *(((HF_FLAGS, name),) if "base" in flags else ()), (NANOGPT_FLAGS, name))

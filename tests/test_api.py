@@ -432,6 +432,30 @@ def test_an_on_off_option_given_another_value_is_named_with_true_or_false(tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_number_given_for_a_path_or_name_and_a_stray_echo_are_refused(tmp_path,
+                                                                        monkeypatch):
+    """`run_id=5` and `resume=5` raised a bare TypeError from pathlib; `data={"path": 5}` ran
+    the command on a file named 5, `base=3` on one named 3; `echo="no"` relayed every line, as
+    True does. Now each is an OptionError naming the keyword and what it takes, before anything
+    starts; a step number for from_step stays a step (`from_step=10` is `--from 10`)."""
+    import toymlx
+
+    monkeypatch.chdir(tmp_path)
+    takes = "expected a str (a path or name, as its flag takes) or a pathlib.Path"
+    for recipe, options, want in [
+            ("vit-tiny", {"run_id": 5}, f"run_id: {takes}, found 5 (int)"),
+            (None, {"resume": 5}, f"resume: {takes}, found 5 (int)"),
+            (None, {"config": 2.0}, f"config: {takes}, found 2.0 (float)"),
+            ("vit-tiny", {"data": {"path": 5}}, f'data={{"path": ...}}: {takes}, found 5 (int)'),
+            ("lora", {"base": 3}, f"base: {takes}, found 3 (int)"),
+            ("vit-tiny", {"wandb_project": True}, f"wandb_project: {takes}, found True (bool)"),
+            ("vit-tiny", {"echo": "no"}, "echo: expected True or False, found 'no'")]:
+        with pytest.raises(toymlx.OptionError) as e:
+            toymlx.train(*[recipe][:recipe is not None], **{"echo": False, **options})
+        assert str(e.value) == want
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_refused_options_and_failed_runs_are_told_apart_by_type(tmp_path):
     """`except toymlx.OptionError` (a ValueError: nothing trained, no bundle) against
     `except toymlx.TrainError` (a RuntimeError: the run started and failed, its summary
@@ -647,6 +671,37 @@ def test_the_config_file_is_named_as_the_config_keyword(tmp_path):
     assert keyword_message("toymlx-train: error: -c/--config: expected one config file, found "
                            "a.yaml and b.yaml", {}, ["lora"]) == (
         "toymlx-train: error: config: expected one config file, found a.yaml and b.yaml")
+
+
+def test_an_mlx_lm_key_s_hint_names_train_s_keyword(tmp_path, capsys):
+    """mlx-lm's `iters` in a config file (or as a keyword) is refused with a hint naming its
+    toymlx counterpart; to a caller of `train` it said toymlx's --steps, a flag, as the clause
+    that names mlx-lm's key is kept whole by the relay. It names train's keyword now (steps),
+    and the file's key (steps) where the command read the file (it named the flag --steps
+    there); the flag where a flag was given."""
+    from toymlx_cli.train import main
+
+    import toymlx
+
+    file = tmp_path / "f.yaml"
+    file.write_text("base: m.gguf\nseq_len: 64\niters: 5\n")  # toymlx's keys: not mlx-lm's file
+    unknown = f"{file}: key 'iters': expected an option of "
+    with pytest.raises(toymlx.OptionError) as caught:
+        toymlx.train("lora", config=str(file), runs_root=str(tmp_path), echo=False)
+    assert str(caught.value) == (f'toymlx-train: error: {unknown}toymlx.train("lora"), found '
+                                 "an unknown key; mlx-lm's iters is toymlx's steps")
+    with pytest.raises(toymlx.OptionError) as caught:
+        toymlx.train("lora", base="m.gguf", iters=5, runs_root=str(tmp_path), echo=False)
+    assert str(caught.value) == (
+        'toymlx-train: error: iters: expected an option of toymlx.train("lora"), got an unknown '
+        "one; mlx-lm's --iters is toymlx's steps")
+    assert main(["--recipe", "lora", "-c", str(file), "--runs-root", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"toymlx-train: error: {unknown}toymlx-train --recipe lora, found an unknown key; "
+        "mlx-lm's iters is toymlx's steps")
+    assert main(["--recipe", "lora", "--base", "m.gguf", "--iters", "5"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("mlx-lm's --iters is toymlx's --steps")
+    assert list(tmp_path.iterdir()) == [file]
 
 
 def test_the_commands_notes_are_told_in_the_keywords_train_takes(tmp_path, capsys):

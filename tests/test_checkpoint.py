@@ -361,12 +361,23 @@ def test_a_resumed_run_whose_folder_is_removed_is_not_told_to_resume_again(tmp_p
 
 
 def test_from_takes_a_bare_step_number_and_a_checkpoint_file_name():
-    """docs/RUNS.md: `--from 100` is taken as `step_100`, as is a checkpoint's file name."""
+    """docs/RUNS.md: `--from 100` is taken as `step_100`, as is a checkpoint's file name. The
+    words a user reaches for instead get what to write: `latest` (leave --from out), a
+    checkpoint's path (its name); anything else as before."""
     assert [ck.parse_from(t) for t in ("100", "step_100", "adapter_step_100.gguf", " 7 ")] == [
         100, 100, 100, 7]
-    with pytest.raises(ValueError) as e:
-        ck.parse_from("latest")
-    assert str(e.value) == "--from: expected a checkpoint such as step_20 (or 20), found 'latest'"
+    want = "--from: expected a checkpoint such as step_20 (or 20), found "
+    for text, said in [
+            ("latest", ("'latest'; leave --from out to go on from the checkpoint "
+                        "weights/latest names")),
+            ("runs/r/weights/adapter_step_10.gguf", ("'runs/r/weights/adapter_step_10.gguf'; "
+                                                     "--from picks one of the run's own "
+                                                     "checkpoints by its name: --from "
+                                                     "adapter_step_10.gguf")),
+            ("runs/r", "'runs/r'")]:
+        with pytest.raises(ValueError) as e:
+            ck.parse_from(text)
+        assert str(e.value) == want + said
 
 
 def test_a_full_disk_names_the_room_superseded_checkpoints_hold(tmp_path, monkeypatch):

@@ -91,7 +91,7 @@ def test_run_from_another_runs_config_equals_the_same_flags(tmp_path, data):
      "double quotes at line 1 column 13")),
     ("- lr\n", "list.yaml", "{p}: expected a mapping of option: value, found a list"),
     ("lora:\n  rnak: 4\n", "typo.yaml", ("{p}: key 'lora.rnak': expected an option of toymlx-train "
-     "--recipe lora, found an unknown key; did you mean --lora.rank?")),
+     "--recipe lora, found an unknown key; did you mean lora.rank?")),
     ("iters: 100\nlr: 1e-3\n", "mlx.yaml", ("{p}: key 'lr': expected a key of mlx-lm's lora "
      "config (the file is read as mlx-lm's, for its 'iters'), found an unknown key")),
     ("lr: fast\n", "type.yaml", ("{p}: key 'lr': expected a number, found \"fast\" (a string); fix "
@@ -173,7 +173,7 @@ def test_forward_only_command_takes_a_config_file(tmp_path, data, capsys):
     assert eval_main(["-c", str(cfg)]) == 2
     assert error_line(capsys, "toymlx-eval") == (
         f"toymlx-eval: error: {cfg}: key 'modle': expected an option of toymlx-eval, found an "
-        "unknown key; did you mean --model?")
+        "unknown key; did you mean model?")
 
 
 def test_report_takes_a_config_file(tmp_path, data, capsys):
@@ -192,7 +192,7 @@ def test_report_takes_a_config_file(tmp_path, data, capsys):
     assert report(["-c", str(cfg), str(tmp_path / "m")]) == 2
     assert error_line(capsys, "toymlx-report") == (
         f"toymlx-report: error: {cfg}: key 'output': expected an option of toymlx-report, found "
-        "an unknown key; did you mean --out?")
+        "an unknown key; did you mean out?")
 
 
 def test_sweep_passes_the_file_to_every_run_before_its_grid_values():
@@ -505,21 +505,22 @@ def test_a_section_given_a_value_is_named_as_a_section(tmp_path, capsys):
     assert main(["--recipe", "lora", "-c", str(f)]) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.endswith("key 'lora': expected an option of toymlx-train --recipe lora, found an "
-                         "unknown key; lora is a group of options (--lora.alpha, --lora.dropout, "
-                         "--lora.init-adapter, ...): write it as a mapping, e.g. lora: "
+                         "unknown key; lora is a group of options (lora.alpha, lora.dropout, "
+                         "lora.init_adapter, ...): write it as a mapping, e.g. lora: "
                          "{alpha: ...}"), line
     assert "did you mean" not in line
 
 
 @pytest.mark.parametrize("recipe,hint", [
     ("vit-tiny", ("nanoGPT's block_size is toymlx's --seq-len, which vit-tiny does not take: its "
-                  "sequence is the image's patches, (--data.image-size / --model.patch-size)^2 "
+                  "sequence is the image's patches, (data.image_size / model.patch_size)^2 "
                   "of them")),
-    ("lora", "nanoGPT's block_size is toymlx's --seq-len (the model's longest: --model.context)"),
+    ("lora", "nanoGPT's block_size is toymlx's seq_len (the model's longest: --model.context)"),
 ])
 def test_a_nanogpt_key_in_a_file_is_named_as_its_flag_is(tmp_path, capsys, recipe, hint):
     """`block_size: 64` in a -c file was told "did you mean --batch-size?" (by spelling), in
-    every recipe; now as on the command line (`usage.flag_hint`)."""
+    every recipe; now as on the command line (`usage.flag_hint`), the recipe's options named as
+    the file's keys (`file_words`: seq_len), another recipe's as its flag (--model.context)."""
     p = tmp_path / "c.yaml"
     p.write_text(f"recipe: {recipe}\nblock_size: 64\n")
     assert main(["-c", str(p), "--runs-root", str(tmp_path)]) == 2
@@ -530,11 +531,11 @@ def test_a_nanogpt_key_in_a_file_is_named_as_its_flag_is(tmp_path, capsys, recip
 
 @pytest.mark.parametrize("text,key,hint", [
     *((text, key, ("llama.cpp's --lora-scaled FILE S and mlx-lm's LoRA scale are the adapters' "
-                   "scale, here --lora.alpha / --lora.rank (scale 20 at rank 8: --lora.alpha "
-                   "160); --lora.init-adapter FILE starts them from a file"))
+                   "scale, here lora.alpha / lora.rank (scale 20 at rank 8: lora.alpha "
+                   "160); lora.init_adapter FILE starts them from a file"))
       for text, key in (("lora_scale: 20\n", "lora_scale"), ("lora-scale: 20\n", "lora_scale"),
                         ('{"lora_scaled": 20}', "lora_scaled"))),
-    ("ctx_size: 512\n", "ctx_size", "llama.cpp's --ctx-size is --seq-len here"),
+    ("ctx_size: 512\n", "ctx_size", "llama.cpp's --ctx-size is seq_len here"),
 ])
 def test_another_tool_s_flag_as_a_key_is_named_as_the_flag_is(tmp_path, capsys, text, key, hint):
     """A file's key spelling another tool's flag (`lora_scale`, `ctx_size`) was matched by
@@ -550,13 +551,17 @@ def test_another_tool_s_flag_as_a_key_is_named_as_the_flag_is(tmp_path, capsys, 
 
 @pytest.mark.parametrize("recipe,text,hint", [
     ("vit-tiny", "model: {n_layerz: 3}\n", ("key 'model.n_layerz': expected an option of "
-     "toymlx-train --recipe vit-tiny, found an unknown key; did you mean --model.n-layers?")),
+     "toymlx-train --recipe vit-tiny, found an unknown key; did you mean model.n_layers?")),
     ("vit-tiny", "model: 5\n", ("key 'model': expected an option of toymlx-train --recipe "
-     "vit-tiny, found an unknown key; model is a group of options (--model.d-model, "
-     "--model.drop-path, --model.ffn-dim, ...): write it as a mapping, e.g. model: "
+     "vit-tiny, found an unknown key; model is a group of options (model.d_model, "
+     "model.drop_path, model.ffn_dim, ...): write it as a mapping, e.g. model: "
      "{d_model: ...}")),
     ("lora", "model: base.gguf\n", ("key 'model': expected an option of toymlx-train --recipe "
-     "lora, found an unknown key; mlx-lm's model is toymlx's --base")),
+     "lora, found an unknown key; mlx-lm's model is toymlx's base")),
+    # before: "mlx-lm's test_batches is toymlx's --test scores all of test.jsonl; drop it"
+    ("lora", "base: b.gguf\ntest_batches: 5\n", ("key 'test_batches': expected an option of "
+     "toymlx-train --recipe lora, found an unknown key; mlx-lm's test_batches has no toymlx option: toymlx "
+     "scores all of test.jsonl (test), every batch; drop it")),
 ])
 def test_the_mlx_lm_hint_only_where_it_applies(tmp_path, capsys, recipe, text, hint):
     """vit-tiny has --model.* options: its `model.n_layerz` and `model: 5` were told "mlx-lm's
@@ -569,11 +574,11 @@ def test_the_mlx_lm_hint_only_where_it_applies(tmp_path, capsys, recipe, text, h
 
 @pytest.mark.parametrize("command,text,hint", [
     ("export", "adapter: runs/x\nadapter_path: runs/x\n", ("mlx-lm's adapter_path is "
-     "toymlx-export's --adapter (the run folder; mlx-lm's adapter folder with --base)")),
+     "toymlx-export's adapter (the run folder; mlx-lm's adapter folder with base)")),
     ("eval", "model: runs/x\nadapter_path: runs/x\n", ("mlx-lm's adapter_path is toymlx-eval's "
-     "--model (the run folder: its base with its adapter)")),
+     "model (the run folder: its base with its adapter)")),
     ("eval", "model: runs/x\ntest_batches: 5\n", ("mlx-lm's test_batches is toymlx-eval's "
-     "--limit (examples: mlx-lm's batches x --batch-size; its -1, every batch, is the "
+     "limit (examples: mlx-lm's batches x batch_size; its -1, every batch, is the "
      "default)")),
 ])
 def test_an_mlx_lm_key_in_another_command_s_file_is_named_as_that_command_takes_it(
@@ -610,3 +615,22 @@ def test_file_key_error_names_the_key_a_flag_does_not_give_over_the_file():
     assert file_key_error("out of memory", keys, "f.yaml") == "out of memory"
     assert under_the_flags(keys, ["--no-compile", "--lora.rank=2", "--lora.init_adapter",
                                   "x"]) == {"--base": "base"}
+
+
+def test_a_run_folder_given_to_c_names_its_config_json(tmp_path, capsys):
+    """`toymlx-train -c runs/x` (the run's settings, as the guide says of its config.json) read
+    "expected a YAML or JSON file, found a directory"; now it names the run's config.json. Any
+    other folder as before."""
+    from toymlx_cli.train import main
+
+    run = tmp_path / "x"
+    run.mkdir()
+    (run / "config.json").write_text('{"recipe": "vit-tiny", "config": {}}')
+    assert main(["-c", str(run), "--run-id", "again"]) == 2
+    assert error_line(capsys) == (f"toymlx-train: error: {run}: -c/--config: expected a YAML or "
+                                  "JSON file, found a run folder; its options are -c "
+                                  f"{run / 'config.json'}")
+    assert main(["-c", str(tmp_path), "--run-id", "again"]) == 2
+    assert error_line(capsys) == (f"toymlx-train: error: {tmp_path}: -c/--config: expected a "
+                                  "YAML or JSON file, found a directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]

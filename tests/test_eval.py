@@ -97,14 +97,14 @@ def test_pack_where_no_chat_rows_are_built_is_one_line(tiny_gguf, tmp_path, caps
     assert capsys.readouterr().err == (
         "toymlx-eval: error: --data.pack: expected chat/SFT examples to build rows of (a JSONL "
         "file or data folder of prompt/completion or messages), found "
-        f"{text} (plain text, scored in windows of --seq-len tokens); drop --data.pack\n")
+        f"{text} (plain text, scored in windows of --seq-len tokens); drop it\n")
     run, _ = vit_run(tmp_path)
     capsys.readouterr()
     assert eval_main(["--model", str(run), "--data.no-pack"]) == 2
     assert capsys.readouterr().err == (
         "toymlx-eval: error: --data.no-pack: expected chat/SFT examples to build rows of (a "
         f"JSONL file or data folder of prompt/completion or messages), found a ViT ({run}), "
-        "which scores images; drop --data.no-pack\n")
+        "which scores images; drop it\n")
 
 
 def test_an_empty_example_file_says_what_it_should_hold(tiny_gguf, tmp_path, capsys):  # noqa: F811
@@ -1142,7 +1142,8 @@ def test_a_gguf_of_its_own_scores_a_data_folder_as_mlx_lm_lora_test_does(
 def test_mask_prompt_flags_are_refused_where_no_chat_rows_are_built(tiny_gguf, tmp_path,  # noqa: F811
                                                                      capsys):
     """--data.mask-prompt and --data.no-mask-prompt (new) build chat/SFT rows: both at once, or
-    either on plain text (scored in windows), is one line, not ignored."""
+    either on plain text (scored in windows), is one line, not ignored, ending "drop it" (or
+    "drop them") as train's refusal on text rows does (it ended "drop --data.no-mask-prompt")."""
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 8)
     capsys.readouterr()
@@ -1156,4 +1157,10 @@ def test_mask_prompt_flags_are_refused_where_no_chat_rows_are_built(tiny_gguf, t
     assert error_line(capsys, "toymlx-eval") == (
         "toymlx-eval: error: --data.no-mask-prompt: expected chat/SFT examples to build rows of "
         "(a JSONL file or data folder of prompt/completion or messages), found "
-        f"{text} (plain text, scored in windows of --seq-len tokens); drop --data.no-mask-prompt")
+        f"{text} (plain text, scored in windows of --seq-len tokens); drop it")
+    assert eval_main(["--model", str(tiny_gguf), "--data.path", str(text), "--seq-len", "16",
+                      "--data.pack", "--data.mask-prompt"]) == 2
+    assert error_line(capsys, "toymlx-eval") == (
+        "toymlx-eval: error: --data.pack, --data.mask-prompt: expected chat/SFT examples to "
+        "build rows of (a JSONL file or data folder of prompt/completion or messages), found "
+        f"{text} (plain text, scored in windows of --seq-len tokens); drop them")

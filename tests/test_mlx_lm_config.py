@@ -508,7 +508,7 @@ def test_toymlx_s_own_files_keep_their_meaning(tmp_path, capsys):
     assert main(["-c", str(f)]) == 2
     assert error_line(capsys) == (f"toymlx-train: error: {f}: key 'learning_rate': expected an "
                                   "option of toymlx-train --recipe lora, found an unknown key; "
-                                  "mlx-lm's learning_rate is toymlx's --lr")
+                                  "mlx-lm's learning_rate is toymlx's lr")
     assert mlx_lm_options({"model": "u/r"}, "f")[0]["base"] == "hf:u/r"
 
 
@@ -1200,8 +1200,7 @@ def _text_folder(root: Path) -> Path:
 def _masks_nothing(file: Path, scored: str = "trains") -> str:
     return ("--data.mask-prompt: expected prompt and completion or messages rows (a prompt to "
             f"mask), found {{'text': ...}} rows in {file} (nothing to mask: every token "
-            f"{scored}; mlx-lm refuses prompt masking on a text dataset); drop "
-            "--data.mask-prompt")
+            f"{scored}; mlx-lm refuses prompt masking on a text dataset); drop it")
 
 
 def test_data_mask_prompt_given_on_text_rows_is_refused_by_train_eval_and_sweep(
@@ -1259,7 +1258,7 @@ def test_data_train_turns_given_on_text_rows_is_refused_by_train_and_sweep(tmp_p
              "--runs-root", str(runs)]
     no_turns = ("--data.train-turns: expected messages rows (the turns it picks from), found "
                 f"{{'text': ...}} rows in {root / 'train.jsonl'} (no turns to pick: every token "
-                "trains); drop --data.train-turns")
+                "trains); drop it")
     for given in (["--data.train-turns", "last"], ["--data.train-turns=assistant"],
                   ["--data.no-mask-prompt", "--data.train_turns", "last"]):
         assert main([*flags, "--run-id", "given", *given]) == 2
@@ -1286,6 +1285,38 @@ def test_data_train_turns_given_on_text_rows_is_refused_by_train_and_sweep(tmp_p
     assert error_line(capsys, "toymlx-eval") == (
         "toymlx-eval: error: --data.train-turns: expected an option of toymlx-eval, got an "
         "unknown one")
+
+
+def test_chat_options_on_text_rows_end_in_the_words_the_user_gave_them(tmp_path, base, capsys):
+    """The refusal of --data.mask-prompt or --data.train-turns on {"text": ...} rows ended
+    "drop --data.mask-prompt", a flag, where a toymlx config file's key set it (from the command
+    and from `toymlx.train(config=...)`) or `train`'s keyword did: it ends "drop it" now, its
+    head naming the key in the file, or the keyword."""
+    import toymlx
+
+    root = _text_folder(tmp_path / "text")
+    runs = tmp_path / "runs"
+    file = tmp_path / "t.yaml"
+    file.write_text(yaml.safe_dump({"recipe": "lora", "base": str(base), "steps": 1,
+                                    "seq_len": 32, "data": {"path": str(root),
+                                                            "mask_prompt": True}}))
+    said = (f"{file}: key 'data: {{mask_prompt}}': expected prompt and completion or messages "
+            f"rows (a prompt to mask), found {{'text': ...}} rows in {root / 'train.jsonl'} "
+            "(nothing to mask: every token trains; mlx-lm refuses prompt masking on a text "
+            "dataset); drop it")
+    assert main(["-c", str(file), "--runs-root", str(runs), "--no-progress"]) == 2
+    assert error_line(capsys) == f"toymlx-train: error: {said}"
+    with pytest.raises(toymlx.OptionError) as caught:
+        toymlx.train(config=str(file), runs_root=str(runs), echo=False)
+    assert str(caught.value) == f"toymlx-train: error: {said}"
+    with pytest.raises(toymlx.OptionError) as caught:
+        toymlx.train("lora", base=str(base), data={"path": str(root), "train_turns": "last"},
+                     steps=1, seq_len=32, runs_root=str(runs), echo=False)
+    assert str(caught.value) == (
+        'toymlx-train: error: data={"train_turns": ...}: expected messages rows (the turns it '
+        f"picks from), found {{'text': ...}} rows in {root / 'train.jsonl'} (no turns to pick: "
+        "every token trains); drop it")
+    assert not runs.exists()
 
 
 def test_the_mask_prompt_check_reads_train_jsonl_s_first_example_only(tmp_path, base, chats,
@@ -1778,6 +1809,8 @@ def test_a_sweep_grid_flag_spelt_as_mlx_lm_s_key_names_its_toymlx_option_alone(
 
 def test_a_sweep_grid_key_spelt_as_mlx_lm_s_names_toymlx_s_option(tmp_path, base, data,
                                                                    capsys):
+    """A sweep file's `grid: {learning_rate: ...}` names toymlx's option as the grid key to
+    write there (lr; it named the flag --lr)."""
     from toymlx_cli.sweep import main as sweep_main
 
     path = tmp_path / "lora_config.yaml"
@@ -1786,5 +1819,5 @@ def test_a_sweep_grid_key_spelt_as_mlx_lm_s_names_toymlx_s_option(tmp_path, base
     assert sweep_main(["-c", str(path), "--runs-root", str(tmp_path / "s")]) == 2
     assert error_line(capsys, "toymlx-sweep") == (
         f"toymlx-sweep: error: {path}: key 'grid.learning_rate': expected an option of recipe "
-        "lora, found no option --learning-rate; mlx-lm's learning_rate is toymlx's --lr")
+        "lora, found no option --learning-rate; mlx-lm's learning_rate is toymlx's lr")
     assert not (tmp_path / "s").exists()

@@ -337,6 +337,49 @@ def test_an_edited_config_json_names_the_key_edited_not_one_the_run_resolved(run
                            "recorded when the run started (sha256 "), line
 
 
+def test_an_edit_of_config_json_a_check_refuses_is_named_as_the_edit(runs, capsys):
+    """An edited value of config.json that its checks refuse was told as a flag nobody gave
+    ("config.json: --batch-size: expected >= 1, found 0"), nothing saying the file was edited
+    nor what it held. Now the key, its recorded value and the check's line; the value as JSON
+    writes it (null, not Python's None)."""
+    a, _ = runs
+    saved = json.loads((a / "config.json").read_text())
+    saved["config"]["batch_size"] = 0
+    (a / "config.json").write_text(json.dumps(saved, indent=2))
+    before = _files(a)
+    assert _resume(a) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a / 'config.json'}: key 'config.batch_size': expected 2 "
+        "(recorded when the run started), found 0: config.json was edited after the run "
+        "started, and the edit is refused (--batch-size: expected >= 1, found 0): put it back")
+    assert _files(a) == before
+    saved["config"]["batch_size"], saved["config"]["model"]["rope_base"] = 2, -1.0
+    (a / "config.json").write_text(json.dumps(saved, indent=2))
+    assert _resume(a) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a / 'config.json'}: key 'config.model.rope_base': expected null "
+        "(recorded when the run started), found -1.0: config.json was edited after the run "
+        "started, and the edit is refused (--model.rope-base: expected > 0, found -1.0): put it "
+        "back")
+
+
+def test_an_edited_recipe_in_config_json_is_named_as_the_edit(runs, capsys):
+    """config.json's recipe edited (from-scratch -> warm-start) was refused on the first option
+    the other recipe lacks ("key 'config.tokenizer': expected an option of this recipe"),
+    nothing naming the key edited. Now that key, with the recipe run_start recorded."""
+    a, _ = runs
+    saved = json.loads((a / "config.json").read_text())
+    saved["recipe"] = "warm-start"
+    (a / "config.json").write_text(json.dumps(saved, indent=2))
+    before = _files(a)
+    assert _resume(a) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {a / 'config.json'}: key 'recipe': expected \"from-scratch\" "
+        "(recorded when the run started), found \"warm-start\": config.json was edited after "
+        "the run started: put it back")
+    assert _files(a) == before
+
+
 def test_a_resume_of_an_events_jsonl_cut_inside_its_first_line_says_so(runs, capsys):
     """events.jsonl cut inside its run_start line (a copy taken while the run started) was
     "found an empty file" for a file of hundreds of bytes."""

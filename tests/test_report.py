@@ -508,6 +508,28 @@ def test_a_folder_of_sweeps_is_named_and_a_run_named_twice_is_shown_once(tmp_pat
         sweep_dir / "a", sweep_dir / "b"]
 
 
+def test_a_runs_weights_folder_or_one_of_its_files_names_the_run(tmp_path):
+    """`toymlx-report runs/r/weights` said "found neither", `runs/r/config.json` or a
+    checkpoint "found a file", as for a file of no run; now each names the run to give, as
+    toymlx-eval --model does for weights/."""
+    run = _bundle(tmp_path / "r", [[("run_start", {}), *_steps(1, 2)]], config={"steps": 2})
+    (run / "weights").mkdir()
+    (run / "weights" / "step_2.gguf").write_bytes(b"GGUF")
+    (tmp_path / "other.txt").write_text("x")
+    in_run = "expected a run bundle or sweep folder, found a file of the run"
+    cases = [(run / "weights", (f"{run / 'weights'}: expected a run bundle (events.jsonl or "
+                                "config.json) or a folder of run bundles, found the weights "
+                                f"folder of the run {run}; name the run: {run}")),
+             *((run / name, f"{run / name}: {in_run} {run}; name the run: {run}")
+               for name in ("config.json", "events.jsonl", "weights/step_2.gguf")),
+             (tmp_path / "other.txt", (f"{tmp_path / 'other.txt'}: expected a run bundle or "
+                                       "sweep folder, found a file"))]
+    for given, found in cases:
+        with pytest.raises(ValueError) as e:
+            report.expand_dirs([given])
+        assert str(e.value) == found
+
+
 def test_a_run_training_now_is_running_not_torn(tmp_path):
     """toymlx-report on a run whose process trains it now (its lock held) said "torn", the
     status of a killed run; now "running". Once the lock is dropped (the process killed, the

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_errors import error_line
 from conftest import home_elsewhere
 from toymlx_cli.train import main
 
@@ -555,8 +556,6 @@ def test_the_w_and_b_project_is_the_option_s_then_wandb_project(tmp_path, monkey
 def test_a_w_and_b_project_without_w_and_b_is_one_line(tmp_path, capsys):
     """--wandb-project without --report-to wandb named a project no run went to, without a
     word: refused before the run, naming both flags."""
-    from cli_errors import error_line
-
     runs = tmp_path / "runs"
     for report in ([], ["--report-to", "tensorboard"]):
         assert main(["--recipe", "vit-tiny", "--wandb-project", "p", *report, "--runs-root",
@@ -678,6 +677,88 @@ def test_a_removed_run_says_its_offline_w_and_b_files_went_with_it(tmp_path, tex
                        "trained; its offline W&B run went with its folder: there is nothing to "
                        "wandb sync")
     assert not runs.exists()
+
+
+def test_overwrite_keeps_an_offline_w_and_b_run_until_wandb_sync_uploaded_it(
+        tmp_path, text_path, monkeypatch, capsys):
+    """--overwrite on a run folder holding an offline W&B run (no login) deleted its files,
+    never uploaded: lost. Now --overwrite (toymlx.train's overwrite=True too) is refused while a
+    .wandb file lacks the marker `wandb sync` leaves beside it, naming the folder and the
+    `wandb sync` line, nothing removed; once synced, or where the run trained nothing,
+    --overwrite replaces the run as before."""
+    import shlex
+
+    import toymlx
+
+    wandb = pytest.importorskip("wandb", reason="the wandb extra")
+    wandb_offline(monkeypatch, tmp_path)
+    runs = tmp_path / "runs"
+    flags = ["--recipe", "from-scratch", *TINY, "--steps", "2", "--data.path", str(text_path),
+             "--runs-root", str(runs), "--run-id", "r", "--report-to", "wandb"]
+    try:
+        assert main(flags) == 0
+        run = runs / "r"
+        (offline,) = (run / "wandb").glob("offline-run-*")
+        (log,) = offline.glob("run-*.wandb")
+        def files() -> dict:  # W&B's service may still append to its own logs/ after a run
+            return {p: b"" if "logs" in p.relative_to(run).parts else p.read_bytes()
+                    for p in run.rglob("*") if p.is_file()}
+
+        before = files()
+        capsys.readouterr()
+        assert main([*flags, "--overwrite"]) == 2
+        said = (f"{run}: --overwrite: expected its offline W&B run uploaded first (wandb sync "
+                "leaves a *.wandb.synced file beside each .wandb file it uploads), found "
+                f"{offline.name} without one; nothing was removed: upload it with: wandb sync "
+                f"{shlex.quote(str(offline))}, then pass --overwrite again; or, to lose it, "
+                f"remove {run / 'wandb'} first, or choose another --run-id")
+        assert error_line(capsys) == f"toymlx-train: error: {said}"
+        with pytest.raises(toymlx.OptionError) as caught:
+            toymlx.train("from-scratch", data={"path": str(text_path)}, runs_root=str(runs),
+                         run_id="r", report_to="wandb", overwrite=True, echo=False)
+        assert str(caught.value) == "toymlx-train: error: " + said.replace(
+            "--overwrite", "overwrite=True").replace("--run-id", "run_id")
+        assert files() == before
+        log.with_name(log.name + ".synced").touch()  # as `wandb sync` marks what it uploaded
+        assert main([*flags, "--overwrite"]) == 0
+        assert offline.name not in {p.name for p in (run / "wandb").glob("offline-run-*")}
+        # a run killed in its first step trained nothing: its offline W&B run, unsynced, holds
+        # nothing to upload (as the same options started over say), so --overwrite replaces it
+        (offline,) = (run / "wandb").glob("offline-run-*")
+        events = run / "events.jsonl"
+        events.write_text(events.read_text().splitlines(keepends=True)[0])  # run_start alone
+        for p in (run / "weights").iterdir():
+            p.unlink()
+        assert main([*flags, "--steps", "3", "--overwrite"]) == 0
+    finally:
+        wandb.teardown()
+    assert offline.name not in {p.name for p in (run / "wandb").glob("offline-run-*")}
+
+
+def test_a_taken_run_id_says_overwrite_waits_for_its_offline_w_and_b_run(tmp_path, text_path,
+                                                                         capsys):
+    """A run id taken was refused with "pass ... --overwrite to replace it", which then was
+    refused too where the run folder held an offline W&B run `wandb sync` never uploaded. Now
+    the first line says so, with the `wandb sync` line; without such a run, as before."""
+    import shlex
+
+    runs = tmp_path / "runs"
+    run = runs / "r"
+    flags = ["--recipe", "from-scratch", *TINY, "--steps", "2", "--data.path", str(text_path),
+             "--runs-root", str(runs), "--run-id", "r"]
+    assert main(flags) == 0
+    offline = run / "wandb" / "offline-run-20261205_074400-abc"  # as W&B offline writes it
+    offline.mkdir(parents=True)
+    (offline / "run-abc.wandb").write_bytes(b"the run's only copy")
+    capsys.readouterr()
+    assert main(flags) == 2
+    head = (f"toymlx-train: error: {run}: run bundle already exists; pass --resume {run} to "
+            "continue it, --overwrite to replace it")
+    assert error_line(capsys) == (f"{head} once its offline W&B run is uploaded (wandb sync "
+                                  f"{shlex.quote(str(offline))}), or choose another --run-id")
+    (offline / "run-abc.wandb.synced").touch()  # as `wandb sync` marks what it uploaded
+    assert main(flags) == 2
+    assert error_line(capsys) == f"{head}, or choose another --run-id"
 
 
 def test_a_resumes_tensorboard_file_is_read_after_its_runs(tmp_path):

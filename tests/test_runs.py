@@ -216,9 +216,14 @@ def test_resume_may_extend_steps_and_change_run_local_options(tmp_path, stopped)
      "key 'config.steps': expected an integer, found \"forty\" (a string)"),
     (lambda c: {**c, "config": {**c["config"], "model": None}},
      "key 'config.model': expected an object of options, found null (null)"),
+    # an edited recipe is named as the edit (it was "key 'config.seq_len': expected an option
+    # of this recipe", "key 'recipe': --recipe: expected one of ...")
     (lambda c: {**c, "recipe": "vit-tiny"},
-     "key 'config.seq_len': expected an option of this recipe, found an unknown key"),
-    (lambda c: {**c, "recipe": "no-such"}, "key 'recipe': --recipe: expected one of"),
+     ("key 'recipe': expected \"from-scratch\" (recorded when the run started), found "
+      "\"vit-tiny\": config.json was edited after the run started: put it back")),
+    (lambda c: {**c, "recipe": "no-such"},
+     ("key 'recipe': expected \"from-scratch\" (recorded when the run started), found "
+      "\"no-such\"")),
     (lambda c: {**c, "config": {**c["config"], "lr": True}},
      "key 'config.lr': expected a number, found true (a boolean)"),
     (lambda c: {**c, "config": {**c["config"], "steps": -5}}, "--steps: expected >= 1"),
@@ -249,13 +254,34 @@ def test_a_run_stopped_at_step_1_before_its_first_checkpoint_says_1_step_lost(tm
     (run / "weights").mkdir()
     events = run / "events.jsonl"
     lines = events.read_text().splitlines(keepends=True)
-    events.write_text("".join(x for x in lines if json.loads(x)["kind"] != "run_end"))
+    events.write_text("".join(x for x in lines
+                              if json.loads(x)["kind"] not in ("run_end", "checkpoint")))
     capsys.readouterr()
     assert main(["--resume", str(run)]) == 2
     line = error_line(capsys)
     assert line == (f"toymlx-train: error: {run}: --resume: found no checkpoint: the run stopped "
                     "at step 1, before its first checkpoint (1 step lost); start it over with "
                     f"its saved configuration: toymlx-train --resume {run} --from step_0"), line
+
+
+def test_a_run_whose_checkpoints_were_removed_is_not_told_it_never_wrote_one(tmp_path, data,
+                                                                            capsys):
+    """weights/ emptied by hand after checkpoints at steps 1 and 2: the resume said "the run
+    stopped at step 2, before its first checkpoint", which events.jsonl's checkpoint events
+    contradict. Now it names the checkpoints the record holds, to put back."""
+    run = tmp_path / "r"
+    assert main(["--recipe", "from-scratch", *TINY, "--data.path", data, "--runs-root",
+                 str(tmp_path), "--run-id", "r", "--steps", "2", "--checkpoint-every",
+                 "1"]) == 0
+    for f in (run / "weights").iterdir():
+        f.unlink()
+    capsys.readouterr()
+    assert main(["--resume", str(run), "--steps", "3"]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {run / 'weights'}: --resume: expected the run's checkpoints "
+        "(events.jsonl records them up to step_2), found none; put them back to resume from "
+        "them, or start the run over with its saved configuration: toymlx-train --resume "
+        f"{run} --from step_0")
 
 
 def test_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path, data, capsys):

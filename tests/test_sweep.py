@@ -471,6 +471,43 @@ def test_failing_run_is_reported_and_the_others_complete(tmp_path, capsys):
     assert "training split: expected at least 33 tokens" in log and log.count("start:") == 1
 
 
+def test_a_run_holding_an_offline_w_and_b_run_not_uploaded_is_not_started_over(tmp_path,
+                                                                              capsys):
+    """A sweep starts a torn run without a checkpoint over with --overwrite, which keeps an
+    offline W&B run `wandb sync` never uploaded: the run failed on the child's line, "pass
+    --overwrite again ... or choose another --run-id", neither of them the sweep user's to do.
+    Now the sweep says it before starting the run: the `wandb sync` line, then run the sweep
+    again, nothing removed; once synced, the sweep starts the run over."""
+    import shlex
+
+    argv = ["--recipe", "from-scratch", "--grid", "lr=1e-3", "--runs-root", str(tmp_path),
+            "--sweep-id", "w", "--no-progress", "--no-report", *TINY]
+    assert sweep_main(argv) == 0
+    run = tmp_path / "w" / "lr=0.001"
+    # killed after its steps, before its checkpoint: the sweep starts it over
+    events = [line for line in (run / "events.jsonl").read_text().splitlines()
+              if json.loads(line)["kind"] not in ("checkpoint", "run_end")]
+    (run / "events.jsonl").write_text("\n".join(events) + "\n")
+    for f in (run / "weights").glob("*.gguf"):
+        f.unlink()
+    offline = run / "wandb" / "offline-run-20261205_074400-abc"  # as W&B offline writes it
+    offline.mkdir(parents=True)
+    (offline / "run-abc.wandb").write_bytes(b"the run's only copy")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert sweep_main(argv) == 1
+    said = (f"sweep: FAILED lr=0.001: {run}: starting it over: expected its offline W&B run "
+            "uploaded first (wandb sync leaves a *.wandb.synced file beside each .wandb file it "
+            f"uploads), found {offline.name} without one; nothing was removed: upload it with: "
+            f"wandb sync {shlex.quote(str(offline))}, then run the sweep again; or, to lose it, "
+            f"remove {run / 'wandb'} first (log: {tmp_path / 'w' / 'logs' / 'lr=0.001.log'})")
+    assert said in capsys.readouterr().err.splitlines()
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    (offline / "run-abc.wandb.synced").touch()  # as `wandb sync` marks what it uploaded
+    assert sweep_main(argv) == 0
+    assert not offline.exists() and [e["kind"] for e in read_events(run)][-1] == "run_end"
+
+
 def test_a_sweep_from_the_folder_holding_a_clone_runs(tmp_path, capsys, monkeypatch):
     """A `toymlx/` folder where the sweep is started (the parent of a clone) shadowed an
     editable install's package in every run's `python -m` child: each run FAILED with
@@ -1285,7 +1322,7 @@ def test_an_option_spelt_with_hyphens_or_underscores_is_one_sweep(tmp_path):
      "'grid.model.n_layers': expected --model.n-layers once, as every run's option or in the "
      "grid, found both (1 and [1, 2]); keep one")),
     ("grid: {lr: [1e-3]}\nmodle: {d_model: 8}", ("key 'modle.d_model': expected an option of "
-     "toymlx-train --recipe from-scratch, found an unknown key; did you mean --model.d-model?")),
+     "toymlx-train --recipe from-scratch, found an unknown key; did you mean model.d_model?")),
     ("grid: {lr: [1e-3]}\nrun_id: x", ("key 'run_id': expected no --run-id in a sweep file (the "
      "sweep sets it for each run), found \"x\"; remove it")),
     # W&B's parameter form (it was 'key 'grid.lr.values': ... found no option --lr.values')

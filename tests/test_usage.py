@@ -365,14 +365,15 @@ def test_mlx_lm_s_flags_are_named_as_each_command_takes_them(capsys, command, fl
                                  f"unknown one; {want}")
 
 
-def test_a_peft_key_in_a_config_file_is_named_as_its_flag_is(capsys, tmp_path, monkeypatch):
-    """PEFT's `r: 16` in a lora -c file (before: "did you mean --run-id?" or nothing)."""
+def test_a_peft_key_in_a_config_file_is_named_as_its_key_is(capsys, tmp_path, monkeypatch):
+    """PEFT's `r: 16` in a lora -c file (before: "did you mean --run-id?" or nothing), toymlx's
+    option named as the file's key (it named the flag --lora.rank)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "c.yaml").write_text("r: 16\n")
     assert main(["--recipe", "lora", "-c", "c.yaml"]) == 2
     assert only_line(capsys) == (
         "toymlx-train: error: c.yaml: key 'r': expected an option of toymlx-train --recipe lora, "
-        "found an unknown key; PEFT's r is toymlx's --lora.rank")
+        "found an unknown key; PEFT's r is toymlx's lora.rank")
 
 
 @pytest.mark.parametrize("recipe,flag,want", [
@@ -673,6 +674,9 @@ def test_timm_s_flags_are_named_with_toymlx_s(capsys, tmp_path, monkeypatch, arg
     # before: "mlx-lm's --train is toymlx's nothing (toymlx-train always trains)"
     ("lora", "--train", ("mlx-lm's --train has no toymlx option: toymlx-train always trains; "
      "drop it")),
+    # before: "mlx-lm's --test-batches is toymlx's --test scores all of test.jsonl; drop it"
+    ("lora", "--test-batches", ("mlx-lm's --test-batches has no toymlx option: toymlx scores all "
+     "of test.jsonl (--test), every batch; drop it")),
     # nanoGPT's, each recipe its own (before: vit-tiny's --dataset "a text file", --dropout
     # and --bias "its Llama")
     ("from-scratch", "--dataset", ("nanoGPT's dataset is toymlx's --data.path (a text file, not "
@@ -748,3 +752,23 @@ def test_a_wide_terminal_keeps_its_width(monkeypatch, capsys):
     for columns, width in ((20, 80), (120, 120)):
         out = help_text(monkeypatch, capsys, "eval", ["--help"], columns)
         assert max(len(line) for line in out.splitlines() if "-c/--config" not in line) == width
+
+
+@pytest.mark.parametrize("command", ["eval", "generate", "export"])
+def test_train_s_from_given_to_a_command_that_reads_a_run_names_the_checkpoint_file(
+        capsys, tmp_path, monkeypatch, command):
+    """`toymlx-eval --model runs/x --from step_10` (toymlx-train's way to pick a checkpoint)
+    was an unknown option with no hint, or "did you mean --prompt?" (generate), "--format?"
+    (export). Now the checkpoint's own file, given where the run folder goes."""
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    run_main = importlib.import_module(f"toymlx_cli.{command}").main
+    assert run_main(["--from", "step_10"]) == 2
+    prog = f"toymlx-{command}"
+    assert only_line(capsys) == (
+        f"{prog}: error: --from: expected an option of {prog}, got an unknown one; --from is "
+        "toymlx-train's (the checkpoint a resume goes on from); here give that checkpoint's file "
+        "where you give the run folder: RUN/weights/step_N.gguf (a LoRA run's: "
+        "RUN/weights/adapter_step_N.gguf)")
+    assert list(tmp_path.iterdir()) == []

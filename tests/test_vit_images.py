@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -276,6 +277,22 @@ def test_one_file_given_to_the_classifier_for_a_list_is_one_clear_error(tiny_run
                 call(one)
             assert str(e.value) == (f"files: expected a list of image files, found one "
                                     f"{type(one).__name__} ({one!r}); pass [{one!r}]")
+
+
+def test_the_classifier_takes_a_generator_of_files_and_names_what_is_no_collection(tiny_run,
+                                                                                 folder):
+    """`clf.top_k(Path(d).glob("*.png"))` failed in len() ("object of type 'generator' has no
+    len()"), and `top_k(5)` too: the glob's files are ranked as their list is, and a value
+    that holds no files is one TypeError naming `files`."""
+    clf = Classifier.load(tiny_run)
+    files = sorted(Path(folder).rglob("*.png"))[:3]
+    assert len(files) == 3
+    assert clf.top_k(f for f in files) == clf.top_k(files)
+    assert [f for f, _ in clf.each_top_k(iter(files))] == files
+    for call in (clf.top_k, clf.read, lambda f: list(clf.each_top_k(f))):
+        with pytest.raises(TypeError) as e:
+            call(5)
+        assert str(e.value) == "files: expected a list of image files, found int (5)"
 
 
 def test_eval_split_val_of_a_set_too_small_to_hold_one_out_is_one_line(tmp_path, tiny_run,

@@ -684,7 +684,14 @@ def parse_from(text: str) -> int:
     """`--from` text (`step_N`, `adapter_step_N.gguf`, `N`) to a step."""
     m = re.fullmatch(r"(?:\w+?_)?(?:step_)?(\d+)(?:\.gguf)?", text.strip())
     if not m:
-        raise ValueError(f"--from: expected a checkpoint such as step_20 (or 20), found {text!r}")
+        # the words a user reaches for: weights/latest's name, a checkpoint's path
+        name = Path(text.strip()).name
+        hint = ("; leave --from out to go on from the checkpoint weights/latest names"
+                if text.strip() == LATEST else
+                f"; --from picks one of the run's own checkpoints by its name: --from {name}"
+                if "/" in text and re.fullmatch(r"(?:\w+?_)?step_\d+\.gguf", name) else "")
+        raise ValueError(f"--from: expected a checkpoint such as step_20 (or 20), found "
+                         f"{text!r}{hint}")
     return int(m.group(1))
 
 

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +31,12 @@ from toymlx.bundle.inputs import (
 )
 from toymlx.bundle.model_store import gpt2_hint, hf_name_hint, is_store_name
 from toymlx.bundle.options import RunError, flag_name, found_text, option
-from toymlx.bundle.reporters import offline_wandb, online_wandb
+from toymlx.bundle.reporters import (
+    WANDB_SYNCED,
+    offline_wandb,
+    online_wandb,
+    unsynced_wandb,
+)
 
 CONFIG_FILE = "config.json"
 CONFIG_KEYS = frozenset({"format", "recipe", "config", DATA_FILES_KEY, MODEL_FILES_KEY})
@@ -93,6 +99,9 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool, default_id: bool = 
                            f"a run bundle, found others too: {shortlist(foreign, 4)}; nothing was "
                            "removed: move them out of the run folder, or choose another "
                            "--run-id or --runs-root")
+        if overwrite and (unsynced := wandb_to_upload(run_dir)):
+            raise RunError(f"{run_dir}: --overwrite: " + upload_first(
+                run_dir, unsynced, "pass --overwrite again") + ", or choose another --run-id")
         for p in held:  # --overwrite, "empty" or started over: ours, nobody writes into it
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         (run_dir / "weights").mkdir(exist_ok=True)
@@ -107,6 +116,31 @@ def prepare_run_dir(root: str, run_id: str, overwrite: bool, default_id: bool = 
         lock.release()
         raise
     return run_dir, lock, again
+
+
+def wandb_to_upload(run_dir: Path) -> list[Path]:
+    """The offline W&B runs that replacing `run_dir` would lose (`unsynced_wandb`: W&B has no
+    copy of them), none where the run trained nothing: those hold nothing to upload (as
+    `started_over` says, removing them). --overwrite and a sweep starting a run over ask it."""
+    unsynced = unsynced_wandb(run_dir)
+    return unsynced if unsynced and untrained_events(run_dir) is None else []
+
+
+def upload_first(run_dir: Path, unsynced: list[Path], then: str) -> str:
+    """Why a run in `run_dir` is not replaced: its offline W&B runs `unsynced`
+    (`wandb_to_upload`) were never uploaded; the `wandb sync` line that uploads them, `then`
+    what to do again (the replacement goes on, as with a run synced or without W&B), or how to
+    lose them. The caller names what replaces it (--overwrite, a sweep) and adds its own way out."""
+    return (f"expected its offline W&B run uploaded first (wandb sync leaves a *{WANDB_SYNCED} "
+            f"file beside each .wandb file it uploads), found "
+            f"{shortlist([p.name for p in unsynced], 4)} without one; nothing was removed: "
+            f"upload it with: {_sync_line(unsynced)}, then {then}; or, to lose it, remove "
+            f"{run_dir / 'wandb'} first")
+
+
+def _sync_line(unsynced: list[Path]) -> str:
+    """The `wandb sync` command line that uploads the offline W&B runs `unsynced`."""
+    return shlex.join(["wandb", "sync", *map(str, unsynced)])
 
 
 def _cannot_take(run_dir: Path, e: OSError) -> str:
@@ -198,26 +232,16 @@ def started_over(run_dir: Path, options: Any) -> str | None:
     """The line saying a fresh run of `options` starts `run_dir` over, where the folder
     provably holds nothing trained of a run of the same options: its config.json records
     `options` (the same command; --overwrite aside, which says what to do with a folder, not
-    what the run is), events.jsonl (if any) holds only what a run writes before its first step
-    (`UNTRAINED_EVENTS`, none past step 0, no garbled line), no checkpoint (in weights/ or set
-    aside), no resume's cut, no export, and only files toymlx writes (`not_written_by_toymlx`,
-    as --overwrite checks): what a kill -9 during the startup, --eval-at-start or the first
-    step leaves. None otherwise: the folder is refused as before."""
+    what the run is), and it trained nothing (`untrained_events`): what a kill -9 during the
+    startup, --eval-at-start or the first step leaves. None otherwise: the folder is refused
+    as before."""
     saved = saved_config(run_dir)
     given = json.loads(json.dumps(dataclasses.asdict(options)))
     if saved is None or ({k: v for k, v in saved["config"].items() if k != "overwrite"}
                          != {k: v for k, v in given.items() if k != "overwrite"}):
         return None
-    weights, events = run_dir / "weights", []
-    if (run_dir / EVENTS_FILE).exists():
-        log = read_log(run_dir)
-        events = log.events
-        if log.damaged or any(e["kind"] not in UNTRAINED_EVENTS
-                              or e.get("step", e.get("final_step", 0)) != 0 for e in log.events):
-            return None
-    if (ck.list_checkpoints(weights) or (weights / ck.SUPERSEDED).exists()
-            or any((run_dir / name).exists() for name in CUT_FILES)
-            or any(run_dir.glob("fused-*.gguf")) or not_written_by_toymlx(run_dir)):
+    events = untrained_events(run_dir)
+    if events is None:
         return None
     ends = [e for e in events if e["kind"] == "run_end"]
     when = (f"ended ({ends[-1].get('reason')}) at step 0" if ends else "was killed during its "
@@ -229,6 +253,26 @@ def started_over(run_dir: Path, options: Any) -> str | None:
                if online_wandb(run_dir) else
                "; its offline W&B run goes with it: there is nothing of it to wandb sync"
                if offline_wandb(run_dir) else ""))
+
+
+def untrained_events(run_dir: Path) -> list[dict] | None:
+    """The events of a run folder that provably holds nothing trained (`started_over`'s test,
+    whatever its options), else None: events.jsonl, if any, holds only what a run writes before
+    its first step (`UNTRAINED_EVENTS`, none past step 0, no garbled line), and there is no
+    checkpoint (in weights/ or set aside), no resume's cut, no export, and only files toymlx
+    writes (`not_written_by_toymlx`)."""
+    weights, events = run_dir / "weights", []
+    if (run_dir / EVENTS_FILE).exists():
+        log = read_log(run_dir)
+        events = log.events
+        if log.damaged or any(e["kind"] not in UNTRAINED_EVENTS
+                              or e.get("step", e.get("final_step", 0)) != 0 for e in log.events):
+            return None
+    if (ck.list_checkpoints(weights) or (weights / ck.SUPERSEDED).exists()
+            or any((run_dir / name).exists() for name in CUT_FILES)
+            or any(run_dir.glob("fused-*.gguf")) or not_written_by_toymlx(run_dir)):
+        return None
+    return events
 
 
 def not_written_by_toymlx(run_dir: Path) -> list[str]:
@@ -267,8 +311,11 @@ def _taken_message(run_dir: Path, what: str, held: list[Path]) -> str:
     if what == "run":
         hint = ("" if ck.list_checkpoints(run_dir / "weights")
                 else f" (--resume {run_dir} --from step_0 to start it over)")
+        # said here too: --overwrite would be refused until then (`upload_first`)
+        upload = wandb_to_upload(run_dir)
+        sync = f" once its offline W&B run is uploaded ({_sync_line(upload)})" if upload else ""
         return (f"{run_dir}: run bundle already exists; pass --resume {run_dir} to continue "
-                f"it{hint}, --overwrite to replace it, or choose another --run-id")
+                f"it{hint}, --overwrite to replace it{sync}, or choose another --run-id")
     if what == "unstarted":
         return (f"{run_dir}: a run bundle already exists but never reached its first step "
                 f"({CONFIG_FILE}, no {EVENTS_FILE}); pass --overwrite to replace it, --resume "

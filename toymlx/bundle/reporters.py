@@ -244,6 +244,20 @@ def offline_wandb(run_dir: Path) -> bool:
     return any((Path(run_dir) / "wandb").glob("offline-run-*"))
 
 
+WANDB_SYNCED = ".wandb.synced"
+"""The suffix of the marker `wandb sync` leaves beside each `.wandb` file it uploaded
+(`run-ID.wandb.synced`: wandb's own `_is_synced` in cli/beta_sync.py, which `wandb sync`
+skips; `wandb clean` keeps a run without it unless --include-unsynced)."""
+
+
+def unsynced_wandb(run_dir: Path) -> list[Path]:
+    """The offline W&B runs in the run folder (`wandb/offline-run-*`, oldest first, the order
+    `wandb sync` must upload a resume's segments in) with a `.wandb` file no `wandb sync`
+    uploaded (no `WANDB_SYNCED` marker beside it): their files are the only copy of the run."""
+    return sorted(p for p in (Path(run_dir) / "wandb").glob("offline-run-*")
+                  if any(not f.with_suffix(WANDB_SYNCED).exists() for f in p.glob("*.wandb")))
+
+
 class WandbReporter:
     """One W&B run named after the run id, its files under `<run>/wandb` (offline without a
     login: `wandb_mode`); run_start's config becomes the W&B run's config. A resume (its first

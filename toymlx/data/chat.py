@@ -706,12 +706,13 @@ def chat_flags_on_text(path: str | Path, flags: Collection[str],
     """DataError (one line) for the first of `flags` (those given) that is `_ON_TEXT`'s, on text
     data (`text_rows_file`), where --data.mask-prompt masks nothing and --data.train-turns picks
     no turn, every token `scored` (trains, is scored): mlx-lm refuses the first; toymlx took
-    both without a word."""
+    both without a word. "drop it": the line's head names the option as it was given, which a
+    config file's key (`file_key_error`) or `toymlx.train`'s keyword replaces."""
     flag = next((f for f in _ON_TEXT if f in flags), None)
     if flag is not None and (f := text_rows_file(path, keys, splits)) is not None:
         want, found = _ON_TEXT[flag]
         raise DataError(f"{flag}: expected {want}, found {{'text': ...}} rows in {f} "
-                        f"({found.format(scored=scored)}); drop {flag}")
+                        f"({found.format(scored=scored)}); drop it")
 
 
 def _first_kind_in(text: str, path: Path, keys: Mapping[str, str] | None = None

@@ -36,13 +36,17 @@ from toymlx.gguf.vit import class_names, load_vit
 from toymlx.models.vit import ViT
 
 
-def listed(files: Any) -> Any:
-    """`files`, a list of images; TypeError naming `files` for one file given instead (a str
-    was read a character at a time: "/: cannot open (Is a directory)")."""
+def listed(files: Any) -> list[Any]:
+    """`files`, images in any iterable (a list, `Path.glob`'s generator, which had no len()), as
+    a list; TypeError naming `files` for one file given instead (a str was read a character at
+    a time: "/: cannot open (Is a directory)"), or for what is not a collection of them."""
     if isinstance(files, (str, bytes, os.PathLike)):
         raise TypeError(f"files: expected a list of image files, found one {type(files).__name__}"
                         f" ({files!r}); pass [{files!r}]")
-    return files
+    if not isinstance(files, Iterable):  # `top_k(5)` was "object of type 'int' has no len()"
+        raise TypeError(f"files: expected a list of image files, found {type(files).__name__} "
+                        f"({files!r})")
+    return list(files)
 
 
 @dataclass

@@ -92,6 +92,8 @@ def train(recipe: str | None = None, *, echo: bool = True, **options: Any) -> di
     throughput, path). With `resume=`, or `config=` a file naming one, the recipe is the run's
     or the file's, as the command's.
     `echo=False` keeps the child's output to the error message."""
+    if not isinstance(echo, bool):  # `echo="no"` relayed every line, as True does
+        raise OptionError(f"echo: expected True or False, found {echo!r}")
     with warnings.catch_warnings():  # the summary's first numpy import adds numpy's filters
         return _train(recipe, echo, options)
 
@@ -102,6 +104,10 @@ def _train(recipe: str | None, echo: bool, options: dict[str, Any]) -> dict[str,
     from toymlx.runner.report import summarize_run
 
     options = _python_names(options)
+    for name in ("resume", "config", "run_id", "runs_root"):  # read here, whatever the recipe:
+        # `run_id=5` was a TypeError from pathlib, `resume=5` another
+        if isinstance(options.get(name), numbers.Real):
+            raise OptionError(_not_text(name, options[name]))
     resume, config = options.get("resume"), options.get("config")
     if isinstance(config, dict):  # as a group of options it was `--config.iters 2`: the usage
         raise OptionError("config: expected the path of a YAML or JSON file of options (an "
@@ -335,7 +341,8 @@ def _check_switches(options: dict[str, Any], kinds: dict[str, Any], group: str =
                     many: frozenset[str] = frozenset()) -> None:
     """OptionError for an on/off option given a value other than True or False
     (`compile="yes"`, `data={"flip": 1}`): spelled as its flag and a stray word, the command
-    said "compile=True: expected no value"; and for a list or tuple given to an option of one
+    said "compile=True: expected no value"; for a number given to an option of a path or name
+    (`_not_text`); and for a list or tuple given to an option of one
     value (not among `many`, `_many_flags`): its values after the first were flags' words the
     command named as strays (`'v': expected an option of toymlx.train("lora"), got a value no
     option takes`)."""
@@ -351,6 +358,17 @@ def _check_switches(options: dict[str, Any], kinds: dict[str, Any], group: str =
             want = {int: "an integer", float: "a number"}.get(kinds[flag], "a string")
             raise OptionError(f"{shown}: expected one value ({want}), found a "
                               f"{type(value).__name__} {list(value)!r}")
+        elif (kinds.get(flag) is str and flag not in many and flag != "--from"  # step_N or N
+              and isinstance(value, numbers.Real)):
+            raise OptionError(_not_text(shown, value))
+
+
+def _not_text(shown: str, value: Any) -> str:
+    """Why a number (or bool) given to an option that takes a path or name (`data={"path": 5}`,
+    `run_id=5`) is refused: the command read "5" as a file of that name, or a call failed in
+    pathlib; a str, as the flag's value is, says which was meant."""
+    return (f"{shown}: expected a str (a path or name, as its flag takes) or a pathlib.Path, "
+            f"found {value!r} ({type(value).__name__})")
 
 
 def _leaves(options: dict[str, Any]) -> list[Any]:

@@ -125,6 +125,14 @@ class Bundle:
         path = Path(path)
         saved = read_config(path, flag)
         source = str(path / CONFIG_FILE)
+        log = ev.read_log(path)
+        recorded = (ev.run_start(log.events) or {}).get("recipe")
+        if isinstance(recorded, str) and recorded != saved["recipe"]:
+            # an edited recipe: its options are refused one by one as not the new recipe's
+            # ("key 'config.label_smoothing': expected an option of this recipe")
+            raise RunError(f"{source}: key 'recipe': expected {json.dumps(recorded)} (recorded "
+                           f"when the run started), found {json.dumps(saved['recipe'])}: "
+                           "config.json was edited after the run started: put it back")
         try:
             module = get_recipe(saved["recipe"])
         except ValueError as e:
@@ -142,14 +150,18 @@ class Bundle:
                                optional=added_since(fmt))  # see CONFIG_FORMAT
         before = as_before(cfg, saved["config"], fmt, source,  # the paths as recorded
                            getattr(module, "settle", None))
-        log = ev.read_log(path)
         cfg, used, moved = resolve_inputs(cfg, saved, source, given, moved_inputs(log.events))
         cfg.steps = _planned_steps(log.events, cfg.steps)
+        bundle = cls(path, saved["recipe"], module, cfg, saved, log)
         try:
             check_config(module, cfg)
         except ValueError as e:
-            raise RunError(f"{source}: {e}") from None
-        bundle = cls(path, saved["recipe"], module, cfg, saved, log)
+            # a value refused in a file the user edited: the edit named, not only a flag nobody
+            # gave (`--steps: expected >= 1`)
+            edit = bundle.edit_said()
+            raise RunError(f"{source}: {edit}: config.json was edited after the run started, "
+                           f"and the edit is refused ({e}): put it back" if edit else
+                           f"{source}: {e}") from None
         bundle.used, bundle.moved, bundle.before = used, moved, before
         return bundle
 
@@ -321,22 +333,30 @@ class Bundle:
         want = start.get("config_sha256")
         if not isinstance(want, str) or config_digest(self.saved) == want:
             return
-        was = start.get("config") if isinstance(start.get("config"), dict) else {}
-        now = self.saved["config"]
-        theirs, ours = start.get("run_id"), now.get("run_id")
+        theirs, ours = start.get("run_id"), self.saved["config"].get("run_id")
         if isinstance(theirs, str) and theirs != ours:  # a file copied in from another run
             raise RunError(f"{events}: --resume: expected the record of the run "
                            f"{self.path / CONFIG_FILE} holds (run_id {ours!r}), found that of "
                            f"run_id {theirs!r}: the two files belong to different runs; put "
                            "back this run's own events.jsonl (or config.json)")
+        raise RunError(f"{self.path / CONFIG_FILE}: {self.edit_said()}: config.json was edited "
+                       "after the run started, and a resumed run keeps its configuration: put "
+                       "it back, or adopt it as it is with --from step_N")
+
+    def edit_said(self) -> str | None:
+        """How config.json differs from what the run's run_start recorded (its digest): the
+        key edited, its recorded value and its value now, else both digests; None where it
+        does not differ, or no record says."""
+        start = self.start_event or {}
+        want = start.get("config_sha256")
+        if not isinstance(want, str) or config_digest(self.saved) == want:
+            return None
+        was = start.get("config") if isinstance(start.get("config"), dict) else {}
         edit = _edited_key(self.saved, was, want)
-        what = (f"key 'config.{edit[0]}': expected {edit[1]!r} (recorded when the run "
-                f"started), found {edit[2]!r}" if edit is not None else
+        return (f"key 'config.{edit[0]}': expected {json.dumps(edit[1])} (recorded when the "
+                f"run started), found {json.dumps(edit[2])}" if edit is not None else
                 f"expected the contents recorded when the run started (sha256 {want[:12]}), "
                 f"found others (sha256 {config_digest(self.saved)[:12]})")
-        raise RunError(f"{self.path / CONFIG_FILE}: {what}: config.json was edited after the "
-                       "run started, and a resumed run keeps its configuration: put it back, "
-                       "or adopt it as it is with --from step_N")
 
     @property
     def start_event(self) -> dict | None:
@@ -429,13 +449,13 @@ class Bundle:
         RunError or ResumeError (one line, with the command that works) when there is none."""
         weights = self.path / "weights"
         note = None
+        written = sorted({e["step"] for e in self.events if e["kind"] == "checkpoint"
+                          and isinstance(e.get("step"), int)})  # as events.jsonl records them
         if weights.exists() and not weights.is_dir():
-            steps = sorted({e["step"] for e in self.events if e["kind"] == "checkpoint"
-                            and isinstance(e.get("step"), int)})
             raise RunError(f"{weights}: --resume: expected the run's checkpoint folder, found "
                            f"{special_kind(weights) or 'a file'}; "
-                           + (f"the events record checkpoints up to step_{steps[-1]}: put the "
-                              "folder back to resume from them" if steps else
+                           + (f"the events record checkpoints up to step_{written[-1]}: put the "
+                              "folder back to resume from them" if written else
                               f"remove it to start over: toymlx-train --resume {self.path} "
                               "--from step_0"))
         if from_text is not None:
@@ -444,6 +464,12 @@ class Bundle:
                 return self._check_steps(Resume(0, None, steps_before=self.config.steps), steps)
             ckpt = ck.find_checkpoint(weights, step)
         else:
+            if not ck.list_checkpoints(weights) and written:  # removed: not "never written"
+                raise RunError(f"{weights}: --resume: expected the run's checkpoints "
+                               f"(events.jsonl records them up to step_{written[-1]}), found "
+                               "none; put them back to resume from them, or start the run over "
+                               "with its saved configuration: toymlx-train --resume "
+                               f"{self.path} --from step_0")
             if not ck.list_checkpoints(weights):
                 lost = max((e["step"] for e in self.events
                             if e["kind"] == "step" and isinstance(e.get("step"), int)), default=0)

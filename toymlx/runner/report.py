@@ -225,12 +225,16 @@ def expand_dirs(paths: Sequence[str | os.PathLike]) -> list[Path]:
                 sweeps = sorted(c.name for c in p.iterdir() if sweep_order(c))
                 found = (f"a folder of sweeps ({', '.join(sweeps[:3])}"
                          f"{', ...' if len(sweeps) > 3 else ''}): name them, as in "
-                         f"toymlx-report {p / sweeps[0]}" if sweeps else "neither")
+                         f"toymlx-report {p / sweeps[0]}" if sweeps
+                         else ck.not_one_run(p) or "neither")  # a run's weights/: the run
                 raise ValueError(f"{p}: expected a run bundle (events.jsonl or config.json) or a "
                                  f"folder of run bundles, found {found}")
         else:
-            raise ValueError(f"{p}: expected a run bundle or sweep folder, found "
-                             f"{'a file' if p.exists() else 'nothing'}")
+            run = next((d for d in (p.parent, p.parent.parent) if p.is_file() and _is_bundle(d)
+                        and (d == p.parent or p.parent.name == "weights")), None)
+            found = (f"a file of the run {run}; name the run: {run}" if run is not None
+                     else "a file" if p.exists() else "nothing")
+            raise ValueError(f"{p}: expected a run bundle or sweep folder, found {found}")
         seen = {d.resolve() for d in out}
         out.extend(d for d in subs if d.resolve() not in seen)
     return out

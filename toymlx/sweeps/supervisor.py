@@ -39,7 +39,7 @@ from toymlx.backend.lock import LOCK_FILE, LockHeld, acquire
 from toymlx.backend.stop import SOLO_SIGNALS, STOP_CODES, StopSignals
 from toymlx.bundle.checkpoint import resolve_latest
 from toymlx.bundle.events import read_events
-from toymlx.bundle.folder import UNWRITABLE, check_folder_name
+from toymlx.bundle.folder import UNWRITABLE, check_folder_name, upload_first, wandb_to_upload
 from toymlx.bundle.outputs import check_output
 from toymlx.runner import report
 from toymlx.sweeps.live import HEARTBEAT_S, EventTail, LineTail, LiveView, RunNotes, SweptRun
@@ -279,6 +279,13 @@ class _Runner:
             r.action = "resume"
             cmd = ["--resume", str(r.dir), "--no-progress"]
         else:  # new, failed, or stopped before its first checkpoint: start (over)
+            if r.dir.exists() and (unsynced := wandb_to_upload(r.dir)):
+                # said here, in the sweep's words: its child's refusal said --overwrite, which
+                # the sweep passed, not its user
+                r.state, r.message = "failed", f"{r.dir}: starting it over: " + upload_first(
+                    r.dir, unsynced, "run the sweep again")
+                r.release()
+                return
             r.action = "restart" if r.dir.exists() else "start"
             cmd = ["--recipe", self.recipe, "--runs-root", str(self.sweep_dir), "--run-id",
                    r.spec.name, "--no-progress",
