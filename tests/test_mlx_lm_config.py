@@ -950,6 +950,77 @@ def test_val_batches_minus_one_is_toymlx_s_eval_batches_minus_one():
         "the first --eval-batches 8 x --batch-size 4")
 
 
+def _mlx_lm_validations(lengths: list[int], batch_size: int, val_batches: int,
+                        draws: int = 4) -> list[list[int]]:
+    """The examples (by index) each of `draws` validations of mlx-lm scores on examples of
+    `lengths` tokens: its evaluate's `val_batches` batches of its own iterate_batches."""
+    import itertools
+
+    from mlx_lm.tuner.trainer import iterate_batches
+
+    np.random.seed(0)  # mlx_lm.lora's run seeds numpy's global draws with its seed
+    dataset = [([i + 1] * n, 0) for i, n in enumerate(lengths)]
+    scored = []
+    for _ in range(draws):
+        batches = itertools.islice(iterate_batches(dataset, batch_size, 2048),
+                                   None if val_batches == -1 else val_batches)
+        scored.append(sorted(int(b[r, 0]) - 1 for b, _ in batches for r in range(b.shape[0])))
+    return scored
+
+
+def test_a_note_says_where_mlx_lm_validates_on_other_examples(tmp_path, base, data, capsys):
+    """mlx-lm's val_batches are whole batches of examples sorted by length, drawn in a random
+    order at each validation (its iterate_batches): -1 leaves out the len % batch_size longest,
+    N < the batches holds other examples at each validation, fewer examples than batch_size are
+    refused. toymlx validates on the first N x batch_size examples in the file's order (all
+    with -1), the same each time: the val losses were of other examples without a word."""
+    from types import SimpleNamespace
+
+    from mlx_lm.tuner.trainer import iterate_batches
+    from toymlx_cli.mlx_lm_config import mlx_lm_val_rows
+
+    def note(lengths, batch_size, val_batches):
+        folder = tmp_path / f"d{len(lengths)}"
+        folder.mkdir(exist_ok=True)
+        for split, n in (("train", 2), ("valid", len(lengths))):
+            (folder / f"{split}.jsonl").write_text("".join(
+                json.dumps({"text": "x" * k}) + "\n" for k in lengths[:n]))
+        cfg = SimpleNamespace(data=SimpleNamespace(path=str(folder)), batch_size=batch_size,
+                              eval_batches=val_batches)
+        return mlx_lm_val_rows(cfg, "f.yaml")
+
+    five = [9, 3, 7, 5, 4]
+    theirs = _mlx_lm_validations(five, 2, -1)
+    assert theirs == [[1, 2, 3, 4]] * 4  # all but the longest, example 0
+    assert note(five, 2, -1) == (
+        f"f.yaml: key 'val_batches': {tmp_path}/d5/valid.jsonl holds 5 examples: mlx-lm's whole "
+        "batches of 2 leave out the 1 longest, toymlx validates on all 5")
+    six = [9, 3, 7, 5, 4, 8]
+    theirs = _mlx_lm_validations(six, 2, 1)
+    assert {len(s) for s in theirs} == {2} and len({tuple(s) for s in theirs}) > 1
+    assert note(six, 2, 1) == (
+        f"f.yaml: key 'val_batches': {tmp_path}/d6/valid.jsonl holds 6 examples: mlx-lm "
+        "validates on 1 of its 3 batches of 2 examples alike in length (2 examples), drawn anew "
+        "at each validation; toymlx on the first 2 in the file's order, the same each time")
+    with pytest.raises(ValueError, match="at least batch_size=2"):
+        next(iterate_batches([([1, 2], 0)], 2, 2048))
+    assert note([4], 2, -1) == (
+        f"f.yaml: key 'batch_size': {tmp_path}/d1/valid.jsonl holds 1 example, fewer than "
+        "batch_size 2: mlx-lm refuses it (its batches are whole), toymlx validates on it")
+    # the same examples: no note
+    assert _mlx_lm_validations(six[:4], 2, -1)[0] == [0, 1, 2, 3]
+    assert note(six[:4], 2, -1) is None and note(six, 2, 3) is None
+    # a run says it (the data folder's 4 validation examples in batches of 3)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": str(base), "data": str(data), "iters": 1, "batch_size": 3, "num_layers": 1,
+        "max_seq_length": 64, "adapter_path": str(tmp_path / "runs" / "r")}))
+    assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 0
+    assert (f"toymlx-train: {path}: key 'val_batches': {data}/valid.jsonl holds 4 examples: "
+            "mlx-lm's whole batches of 3 leave out the 1 longest, toymlx validates on all 4"
+            ) in capsys.readouterr().err.splitlines()
+
+
 def test_the_val_loss_of_an_iteration_is_noted_as_one_update_apart():
     """mlx-lm validates at iteration N before that iteration's update, toymlx after step N: the
     same count is one update apart, said where the file sets steps_per_eval."""
@@ -1080,7 +1151,8 @@ def test_a_refused_mlx_lm_config_run_says_its_one_error_line_and_no_note(
     assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 0  # said when it runs
     notes = [x for x in capsys.readouterr().err.splitlines() if x.startswith(f"toymlx-train: "
                                                                             f"{path}: ")]
-    assert [x.split(": ")[2] for x in notes] == ["key 'adapter_path'", "num_layers 16"]
+    assert [x.split(": ")[2] for x in notes] == ["key 'adapter_path'", "num_layers 16",
+                                                 "key 'val_batches'"]
 
 
 def test_data_given_on_the_command_line_wins_over_the_file_s_hf_dataset(tmp_path, base, data,
