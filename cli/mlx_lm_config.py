@@ -703,49 +703,61 @@ def mlx_lm_parsed(cfg: Any, in_file: dict[str, Any], source: str, argv: list[str
     if "--lora.targets" not in flags:  # else the flag's meaning
         params = in_file.get("lora_parameters")
         mlx_lm_keys(cfg, params.get("keys") if isinstance(params, dict) else None, source)
-    if "--eval-batches" not in flags and (note := mlx_lm_val_rows(cfg, source)):
-        notes.append(note)
+    if "--eval-batches" not in flags:
+        notes += mlx_lm_held_out_rows(cfg, source, in_file.get("test_batches", 500))
     return cfg, notes
 
 
-def mlx_lm_val_rows(cfg: Any, source: str) -> str | None:
-    """A note where mlx-lm validates on other examples of valid.jsonl than toymlx does, else
-    None. mlx-lm's evaluate (mlx_lm/tuner/trainer.py's iterate_batches) sorts the examples by
-    length into whole batches of batch_size (the len % batch_size longest in none; fewer
-    examples than batch_size: refused) and scores val_batches of them drawn in a random order,
-    anew at each validation; toymlx scores the first val_batches x batch_size in the file's
-    order (`toymlx.data.chat.sft_val_batches`), every one with -1, the same at each."""
+def mlx_lm_held_out_rows(cfg: Any, source: str, test_batches: Any = 500) -> list[str]:
+    """Notes where mlx-lm scores other examples of valid.jsonl (and test.jsonl, with --test)
+    than toymlx does. mlx-lm's evaluate (mlx_lm/tuner/trainer.py's iterate_batches) sorts the
+    examples by length into whole batches of batch_size (the len % batch_size longest in none;
+    fewer examples than batch_size: refused) and scores val_batches of them drawn in a random
+    order, anew at each validation; toymlx scores the first val_batches x batch_size in the
+    file's order (`toymlx.data.chat.sft_val_batches`), every one with -1, the same at each, and
+    all of test.jsonl. `test_batches`: the file's (mlx-lm's default 500; more batches than it
+    are said by `_test_batches`' note)."""
     from toymlx.data.chat import data_files
 
-    if not cfg.data.path or not Path(cfg.data.path).is_dir():
-        return None
-    try:
-        valid = data_files(cfg.data.path).valid
-        if valid is None or valid.suffix != ".jsonl":
-            return None
-        with open(valid, "rb") as f:
-            n = sum(1 for line in f if line.strip())
-    except (ValueError, OSError):  # left to the reader, which names it
-        return None
     bs, cap = cfg.batch_size, cfg.eval_batches
-    if bs < 1 or (cap < 1 and cap != -1):  # refused later, naming the key
-        return None
-    whole = n // bs
-    drawn = whole if cap == -1 else min(cap, whole)
-    if drawn * bs == n:
-        return None
-    if whole == 0:
-        return (f"{source}: key 'batch_size': {valid} holds {counted(n, 'example')}, fewer "
-                f"than batch_size {bs}: mlx-lm refuses {'it' if n == 1 else 'them'} (its "
-                f"batches are whole), toymlx validates on {'it' if n == 1 else f'all {n}'}")
-    head = f"{source}: key 'val_batches': {valid} holds {counted(n, 'example')}"
-    if drawn == whole:
-        return (f"{head}: mlx-lm's whole batches of {bs} leave out the {n - whole * bs} "
-                f"longest, toymlx validates on all {n}")
-    first = min(n, cap * bs)
-    return (f"{head}: mlx-lm validates on {drawn} of its {whole} batches of {bs} examples alike "
-            f"in length ({drawn * bs} examples), drawn anew at each validation; toymlx on the "
-            f"first {first} in the file's order, the same each time")
+    if not cfg.data.path or not Path(cfg.data.path).is_dir() or bs < 1 or (
+            cap < 1 and cap != -1):  # a bad count is refused later, naming the key
+        return []
+    try:
+        files = data_files(cfg.data.path)
+    except ValueError:  # left to the reader, which names it
+        return []
+    notes = []
+    for split, file, most, verb in (("val_batches", files.valid, cap, "validates on"),
+                                    ("test_batches", files.test if cfg.test else None,
+                                     test_batches, "scores")):
+        if file is None or file.suffix != ".jsonl":
+            continue
+        try:
+            with open(file, "rb") as f:
+                n = sum(1 for line in f if line.strip())
+        except OSError:
+            continue
+        whole = n // bs
+        drawn = whole if most == -1 else min(most, whole)
+        if drawn * bs == n or (split == "test_batches" and drawn < whole):
+            continue
+        if whole == 0:
+            notes.append(f"{source}: key 'batch_size': {file} holds {counted(n, 'example')}, "
+                         f"fewer than batch_size {bs}: mlx-lm refuses {'it' if n == 1 else 'them'}"
+                         f" (its batches are whole), toymlx {verb} "
+                         f"{'it' if n == 1 else f'all {n}'}")
+            continue
+        head = f"{source}: key {split!r}: {file} holds {counted(n, 'example')}"
+        if drawn == whole:
+            notes.append(f"{head}: mlx-lm's whole batches of {bs} leave out the {n - whole * bs} "
+                         f"longest, toymlx {verb} all {n}")
+            continue
+        notes.append(f"{head}: mlx-lm validates on {drawn} of its {whole} batches of {bs} "
+                     f"examples alike in length ({drawn * bs} examples), drawn anew at each "
+                     f"validation; toymlx on the first {min(n, cap * bs)} in the file's order, "
+                     "the same each time")
+    return notes
 
 
 def mlx_lm_error(message: str, rows: list[tuple[str, str, Any, str]], source: str) -> str:

@@ -973,21 +973,24 @@ def test_a_note_says_where_mlx_lm_validates_on_other_examples(tmp_path, base, da
     order at each validation (its iterate_batches): -1 leaves out the len % batch_size longest,
     N < the batches holds other examples at each validation, fewer examples than batch_size are
     refused. toymlx validates on the first N x batch_size examples in the file's order (all
-    with -1), the same each time: the val losses were of other examples without a word."""
+    with -1), the same each time, and its --test scores all of test.jsonl: the val and test
+    losses were of other examples without a word."""
     from types import SimpleNamespace
 
     from mlx_lm.tuner.trainer import iterate_batches
-    from toymlx_cli.mlx_lm_config import mlx_lm_val_rows
+    from toymlx_cli.mlx_lm_config import mlx_lm_held_out_rows
 
-    def note(lengths, batch_size, val_batches):
+    def note(lengths, batch_size, val_batches, test=False):
         folder = tmp_path / f"d{len(lengths)}"
         folder.mkdir(exist_ok=True)
-        for split, n in (("train", 2), ("valid", len(lengths))):
+        for split, n in (("train", 2), ("valid", len(lengths)), ("test", len(lengths))):
             (folder / f"{split}.jsonl").write_text("".join(
                 json.dumps({"text": "x" * k}) + "\n" for k in lengths[:n]))
         cfg = SimpleNamespace(data=SimpleNamespace(path=str(folder)), batch_size=batch_size,
-                              eval_batches=val_batches)
-        return mlx_lm_val_rows(cfg, "f.yaml")
+                              eval_batches=val_batches, test=test)
+        notes = mlx_lm_held_out_rows(cfg, "f.yaml", -1)
+        assert len(notes) == 1 + test or not notes
+        return notes[-1] if notes else None
 
     five = [9, 3, 7, 5, 4]
     theirs = _mlx_lm_validations(five, 2, -1)
@@ -1007,6 +1010,10 @@ def test_a_note_says_where_mlx_lm_validates_on_other_examples(tmp_path, base, da
     assert note([4], 2, -1) == (
         f"f.yaml: key 'batch_size': {tmp_path}/d1/valid.jsonl holds 1 example, fewer than "
         "batch_size 2: mlx-lm refuses it (its batches are whole), toymlx validates on it")
+    # mlx_lm.lora --test's one pass over test.jsonl likewise (evaluate_model)
+    assert note(five, 2, -1, test=True) == (
+        f"f.yaml: key 'test_batches': {tmp_path}/d5/test.jsonl holds 5 examples: mlx-lm's whole "
+        "batches of 2 leave out the 1 longest, toymlx scores all 5")
     # the same examples: no note
     assert _mlx_lm_validations(six[:4], 2, -1)[0] == [0, 1, 2, 3]
     assert note(six[:4], 2, -1) is None and note(six, 2, 3) is None
