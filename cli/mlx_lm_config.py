@@ -586,13 +586,15 @@ def _report_to(value: Any, source: str) -> str:
 
 
 def _test_batches(data: dict[str, Any], test: Any, source: str) -> list[str]:
-    """test_batches: mlx-lm's test pass scores its first N batches (-1: all of them); toymlx's
+    """test_batches: mlx-lm's test pass scores N of its batches, drawn at random (its
+    iterate_batches; -1: all of them); toymlx's
     --test has no cap and scores all of test.jsonl, so only -1 is honoured, another N refused
     when test is true (unused otherwise, as in mlx-lm); a note when the file leaves it to
     mlx-lm's default (500)."""
     if "test_batches" not in data:
         return [(f"{source}: key 'test': toymlx's --test scores all of test.jsonl; mlx-lm "
-                 "scores its first 500 batches (test_batches' default; -1 is every batch)")
+                 "scores at most 500 of its batches, drawn at random (test_batches' default; "
+                 "-1 is every batch)")
                 ] if test is True else []
     n = data["test_batches"]
     _want(source, "test_batches", _int(n) and (n >= 1 or n == -1),

@@ -1212,8 +1212,10 @@ def test_test_batches_is_honoured_at_minus_one_and_refused_where_it_would_cap():
     assert str(e.value) == ("f.yaml: key 'test_batches': expected an integer >= 1, or -1 (every "
                             "batch), found 0")
     assert mlx_lm_options({"iters": 5, "test": True}, "f.yaml")[2] == [
-        ("f.yaml: key 'test': toymlx's --test scores all of test.jsonl; mlx-lm scores its "
-         "first 500 batches (test_batches' default; -1 is every batch)")]
+        # not its first 500 (before): mlx-lm's iterate_batches draws them in a random order
+        ("f.yaml: key 'test': toymlx's --test scores all of test.jsonl; mlx-lm scores at most "
+         "500 of its batches, drawn at random (test_batches' default; -1 is every batch)")]
+    assert _mlx_lm_validations([5, 6, 7, 8, 9, 10], 2, 1, draws=1) != [[0, 1]]  # not the first
 
 
 def test_project_name_is_the_w_and_b_project_and_the_config_records_it(tmp_path, base, data,
