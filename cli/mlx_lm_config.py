@@ -71,6 +71,11 @@ _RENAMED = {"iters": "steps", "learning_rate": "lr",
             "optimizer": "optimizer"}
 
 
+_AS_TOYMLX = {"trust_remote_code": False, "clear_cache_threshold": 0}
+"""_NOTED's keys at the value that asks for what toymlx does anyway (no repository code, no
+cache clearing: mlx-lm's defaults, which its adapter_config.json saves): not noted."""
+
+
 _OLD_MLX_LM = {"lora_layers": "num_layers", "use_dora": "fine_tune_type: dora"}
 """Keys older mlx-lm read -> what mlx-lm reads now; mlx-lm 0.32 ignores them without a word
 (a file's `lora_layers: 4` trains its default 16 blocks), and their closest key by spelling
@@ -159,9 +164,12 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
           "test.jsonl is scored by toymlx-eval --model RUN --split test)", data.get("train"))
     out: dict[str, Any] = {}
     rows: list[tuple[str, str, Any, str]] = []
-    # trust_remote_code false is what toymlx does: noted only where the file asks for the code
+    # trust_remote_code false and clear_cache_threshold 0 (never clear: mlx-lm's default, and
+    # what its adapter_config.json saves) are what toymlx does: noted only where a file asks
+    # for the code or the clearing
     notes = [f"{source}: key {k!r}: not honoured ({why})" for k, why in _NOTED.items()
-             if k in data and not (k == "trust_remote_code" and data[k] is False)]
+             if k in data and not (k in _AS_TOYMLX and type(data[k]) is type(_AS_TOYMLX[k])
+                                   and data[k] == _AS_TOYMLX[k])]
 
     def put(mlx_key: str, option: str, value: Any, origin: str | None = None) -> None:
         if option in out:  # set again by a key that overrides another (lr_schedule over lr)

@@ -349,6 +349,17 @@ def test_trust_remote_code_false_is_not_called_unhonoured():
         "repository)")]
 
 
+def test_clear_cache_threshold_zero_is_not_called_unhonoured():
+    """mlx-lm's adapter_config.json saves clear_cache_threshold: 0 (its flag's default: never
+    clear the cache), which toymlx does too: every run from such a file was noted "not
+    honoured"; a threshold still is."""
+    base = {"model": "m.gguf", "iters": 1}
+    assert mlx_lm_lora.build_parser().parse_args([]).clear_cache_threshold == 0
+    assert mlx_lm_options({**base, "clear_cache_threshold": 0}, "f.yaml")[2] == []
+    assert mlx_lm_options({**base, "clear_cache_threshold": 1000000}, "f.yaml")[2] == [(
+        "f.yaml: key 'clear_cache_threshold': not honoured (toymlx manages MLX's cache itself)")]
+
+
 def test_the_optimizers_are_mlx_lm_s():
     opt = lora.make_optimizer(_cfg())
     # MLX's Adam, its update computed as three one-output kernels (toymlx.training.optimizers)
