@@ -1774,7 +1774,7 @@ def test_a_sweep_says_once_what_each_run_says_of_a_folder_without_valid_jsonl(
                        "--sweep-id", "nv", "--no-progress", "--no-report"]) == 0
     note = (f"{folder}: no valid.jsonl: the last 1 of train.jsonl's 12 examples validates and "
             "is not trained on (--data.val-fraction 0.1; mlx-lm trains on all 12 and validates "
-            "nothing)")
+            "nothing, as --data.val-fraction 0 does)")
     err = capsys.readouterr().err.splitlines()
     assert err.count(f"toymlx-sweep: {note}") == 1
     assert err.index(f"toymlx-sweep: {note}") < next(
