@@ -125,7 +125,10 @@ MLX_LM_COMMAND_KEYS = {
            for k in ("kv_bits", "kv_group_size", "quantized_kv_start")},
         "prefill_step_size": "toymlx-generate puts the prompt through 2048 tokens at a time "
                              "(mlx-lm's default), not set by a flag; drop it",
-        "quantize_activations": "toymlx-generate computes activations unquantized; drop it"},
+        "quantize_activations": "toymlx-generate computes activations unquantized; drop it",
+        # mlx_lm.chat's (toymlx-generate --chat stands in for it)
+        "pipeline": "toymlx-generate runs the model in one process (no pipeline across "
+                    "machines); drop it"},
     "toymlx-eval": {  # mlx_lm.lora --test's
         "adapter_path": "--model (the run folder: its base with its adapter)",
         "data": "--data.path", "test": "--split test",

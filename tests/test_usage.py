@@ -379,6 +379,8 @@ def test_unsloths_gguf_quantization_is_toymlx_export_s_dtype(capsys):
     ("generate", "--prefill-step-size", ("mlx-lm's --prefill-step-size has no toymlx-generate "
      "option: toymlx-generate puts the prompt through 2048 tokens at a time (mlx-lm's default), "
      "not set by a flag; drop it")),
+    ("generate", "--pipeline", ("mlx-lm's --pipeline has no toymlx-generate option: "
+     "toymlx-generate runs the model in one process (no pipeline across machines); drop it")),
     # a flag of no toymlx command is named as this command's lack (not toymlx-train's)
     ("generate", "--trust-remote-code", ("mlx-lm's --trust-remote-code has no toymlx-generate "
      "option: toymlx runs no code from a model's repository (a GGUF holds none); drop it")),
