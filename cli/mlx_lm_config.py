@@ -595,23 +595,19 @@ def _report_to(value: Any, source: str) -> str:
 
 def _test_batches(data: dict[str, Any], test: Any, source: str) -> list[str]:
     """test_batches: mlx-lm's test pass scores N of its batches, drawn at random (its
-    iterate_batches; -1: all of them); toymlx's
-    --test has no cap and scores all of test.jsonl, so only -1 is honoured, another N refused
-    when test is true (unused otherwise, as in mlx-lm); a note when the file leaves it to
-    mlx-lm's default (500)."""
-    if "test_batches" not in data:
-        return [(f"{source}: key 'test': toymlx's --test scores all of test.jsonl; mlx-lm "
-                 "scores at most 500 of its batches, drawn at random (test_batches' default; "
-                 "-1 is every batch)")
-                ] if test is True else []
-    n = data["test_batches"]
+    iterate_batches; -1: all of them); toymlx's --test has no cap and scores all of test.jsonl.
+    -1 is honoured; another N, or the file leaving it to mlx-lm's default (500), is noted when
+    test is true (unused otherwise, as in mlx-lm): it changes what is scored, not what is
+    trained, so the file runs as it is."""
+    n = data.get("test_batches", -1)
     _want(source, "test_batches", _int(n) and (n >= 1 or n == -1),
           "an integer >= 1, or -1 (every batch)", n)
-    if test is True and n != -1:
-        raise ConfigFileError(f"{source}: key 'test_batches': expected -1 (every batch: "
-                              "toymlx's --test scores all of test.jsonl and cannot stop "
-                              f"earlier), found {n}; set test_batches: -1")
-    return []
+    if test is not True or ("test_batches" in data and n == -1):
+        return []
+    key, n = ("test_batches", n) if "test_batches" in data else ("test", 500)
+    return [f"{source}: key {key!r}: toymlx's --test scores all of test.jsonl; mlx-lm scores at "
+            f"most {n} of its batches, drawn at random ("
+            + ("test_batches' default; " if key == "test" else "") + "-1 is every batch)"]
 
 
 def mlx_lm_mask_prompt(cfg: Any, source: str) -> None:
