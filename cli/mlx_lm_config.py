@@ -482,20 +482,26 @@ def _schedule(sched: Any, source: str, put) -> None:
 
 
 def _optimizer_config(conf: Any, name: Any, source: str, put) -> None:
-    """optimizer_config.<name>: adam and adamw's betas, eps (MLX's 1e-8 only) and adamw's
-    weight_decay (MLX's default 0.01); the other optimizers run with MLX's defaults."""
+    """optimizer_config.<name>: adam and adamw's betas, eps and bias_correction (MLX's
+    defaults 1e-8 and false; mlx-lm's example config sets 1e-6 and true), adamw's weight_decay
+    (MLX's default 0.01); the other optimizers run with MLX's defaults."""
     conf = {} if conf is None else conf
     conf = (conf.get(name) or {}) if isinstance(conf, dict) else conf
     key = f"optimizer_config.{name}"
     _want(source, key, isinstance(conf, dict), "a mapping of the optimizer's arguments", conf)
-    allowed = {"adam": {"betas", "eps"}, "adamw": {"betas", "eps", "weight_decay"}}.get(name, set())
+    adam = {"betas", "eps", "bias_correction"}
+    allowed = {"adam": adam, "adamw": adam | {"weight_decay"}}.get(name, set())
     for k, v in conf.items():
         if k not in allowed:
             raise ConfigFileError(f"{source}: key '{key}.{k}': expected "
                                   + (", ".join(sorted(allowed)) if allowed else "no arguments")
                                   + f" (what toymlx's {name} takes), found {k!r}; remove it")
         if k == "eps":
-            _want(source, f"{key}.eps", v == 1e-8, "1e-8 (the eps toymlx's Adam uses)", v)
+            _want(source, f"{key}.eps", _number(v) and v > 0, "a number > 0", v)
+            put(f"{key}.eps", "adam_eps", float(v))
+        if k == "bias_correction":
+            _want(source, f"{key}.bias_correction", isinstance(v, bool), "true or false", v)
+            put(f"{key}.bias_correction", "bias_correction", v)
         if k == "betas":
             _want(source, f"{key}.betas", isinstance(v, list) and len(v) == 2
                   and all(_number(b) for b in v), "[beta1, beta2]", v)

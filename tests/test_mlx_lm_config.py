@@ -795,6 +795,40 @@ def _one_step(make_opt) -> dict[str, np.ndarray]:
     return {k: np.array(v) for k, v in model.parameters().items()}
 
 
+@pytest.mark.parametrize("name", ["adamw", "adam"])
+def test_mlx_lm_s_example_optimizer_config_trains_as_mlx_s_optimizer(name):
+    """mlx-lm's own example config (mlx_lm/examples/lora_config.yaml) sets optimizer_config
+    adamw {betas: [0.9, 0.98], eps: 1e-6, weight_decay: 0.05, bias_correction: true}: eps was
+    refused unless 1e-8 and bias_correction as no argument of toymlx's adamw, so the file did not
+    run. They are --adam-eps and --bias-correction now, and one compiled step moves the weights
+    as MLX's optimizer given them does (mlx-lm's `opt_class(learning_rate=lr, **config)`)."""
+    conf = {"betas": [0.9, 0.98], "eps": 1e-6, "bias_correction": True,
+            **({"weight_decay": 0.05} if name == "adamw" else {})}
+    options, rows, notes = mlx_lm_options({"model": "m.gguf", "iters": 2, "optimizer": name,
+                                           "optimizer_config": {name: conf}}, "f.yaml")
+    assert (options["adam_eps"], options["bias_correction"], notes) == (1e-6, True, [])
+    assert (f"optimizer_config.{name}.bias_correction", "--bias-correction", True,
+            "file") in rows
+    cfg = _cfg(optimizer=name, learning_rate=1e-2, optimizer_config={name: conf})
+    cls = optim.AdamW if name == "adamw" else optim.Adam
+
+    def mlx_s(**kw):
+        return cls(learning_rate=1e-2, **{**conf, **kw})
+
+    ours, theirs = _one_step(lambda: lora.make_optimizer(cfg)), _one_step(mlx_s)
+    for k in theirs:
+        np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-6, atol=0)
+    # without them (before: the file refused, the keys removed) another step
+    plain = _one_step(lambda: mlx_s(eps=1e-8, bias_correction=False))
+    assert np.abs(plain["m"] - theirs["m"]).max() > 1e-3
+    for bad, line in ((0, "expected a number > 0, found 0"),
+                      ("yes", 'expected true or false, found "yes"')):
+        key = "eps" if bad == 0 else "bias_correction"
+        with pytest.raises(ConfigFileError, match=f"key 'optimizer_config.{name}.{key}': {line}"):
+            mlx_lm_options({"iters": 2, "optimizer": name,
+                            "optimizer_config": {name: {key: bad}}}, "f.yaml")
+
+
 def test_adamw_decays_every_trained_array_as_mlx_lm_s():
     """mlx-lm's adamw is MLX's AdamW on every trained array: the file maps it to
     --weight-decay-scope all, and one compiled step moves a vector (a DoRA magnitude, a full
