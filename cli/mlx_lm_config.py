@@ -80,7 +80,11 @@ _OLD_MLX_LM = {"lora_layers": "num_layers", "use_dora": "fine_tune_type: dora"}
 """Keys older mlx-lm read -> what mlx-lm reads now; mlx-lm 0.32 ignores them without a word
 (a file's `lora_layers: 4` trains its default 16 blocks), and their closest key by spelling
 (`lora_layers`: lora_parameters) is not what they meant."""
-_SHARED = {"model", "data", "report_to", "recipe", "lr_schedule"}
+_ORPO_ERA = {"training_mode": "normal", "beta": 0.1, "reward_scaling": 1.0}
+"""Keys of older mlx-lm's lora (its ORPO training, CONFIG_DEFAULTS' values, which its
+adapter_config.json saved) that mlx-lm 0.32 ignores: training_mode normal is supervised
+training, what toymlx does; beta and reward_scaling were ORPO's alone."""
+_SHARED = {"model", "data", "report_to", "recipe", "lr_schedule", *_ORPO_ERA}
 """Keys an mlx-lm file may hold besides MLX_LM_ONLY, MLX_LM_DEFAULTS and _NOTED's."""
 _FEATURES = {"prompt_feature": "prompt", "completion_feature": "completion",
              "text_feature": "text", "chat_feature": "messages"}
@@ -208,8 +212,9 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
         _want(source, "val_batches", _int(vb) and (vb >= 1 or vb == -1),
               "an integer >= 1, or -1 (every batch)", vb)
         put("val_batches", "eval_batches", vb)  # -1: every batch, as toymlx spells it too
+    notes += _orpo_era(data, source)
     if given["fine_tune_type"] != "full":
-        _lora(given["lora_parameters"], source, put)
+        notes += _lora(given["lora_parameters"], source, put)
     if "lr_schedule" in data:
         _schedule(data["lr_schedule"], source, put)
         if "learning_rate" in data and data["learning_rate"] != out["lr"]:
@@ -419,11 +424,32 @@ def mlx_lm_rank_given(options: dict[str, Any], rows: list[tuple[str, str, Any, s
     return {**options, "lora.alpha": alpha}, rows
 
 
-def _lora(params: Any, source: str, put) -> None:
+def _orpo_era(data: dict[str, Any], source: str) -> list[str]:
+    """Notes for older mlx-lm's `_ORPO_ERA` keys (none at the values its adapter_config.json
+    saved); ConfigFileError for a training_mode other than normal (DPO, ORPO: preference
+    training, which toymlx does not do and mlx-lm 0.32 no longer reads)."""
+    mode = data.get("training_mode", "normal")
+    _want(source, "training_mode", mode == "normal", "normal (older mlx-lm's supervised "
+          "training, what toymlx trains; it has no DPO or ORPO, and mlx-lm 0.32 reads no "
+          "training_mode)", mode)
+    return [f"{source}: key {k!r}: not used (older mlx-lm's ORPO setting, which mlx-lm 0.32 "
+            "ignores)" for k in ("beta", "reward_scaling")
+            if k in data and data[k] != _ORPO_ERA[k]]
+
+
+def _lora(params: Any, source: str, put) -> list[str]:
     """lora_parameters: rank, scale (toymlx's alpha = scale x rank: the same update), dropout,
-    keys. mlx-lm takes the mapping whole (no key falls back to a default) and requires scale."""
+    keys. mlx-lm takes the mapping whole (no key falls back to a default) and requires scale;
+    older mlx-lm's alpha beside it (its adapter_config.json saved both), which mlx-lm 0.32's
+    LoRA layers ignore, is noted as not used."""
     _want(source, "lora_parameters", isinstance(params, dict), "a mapping of rank, scale, "
           "dropout[, keys]", params)
+    notes = []
+    if "alpha" in params and "scale" in params:
+        notes.append(f"{source}: key 'lora_parameters.alpha': not used (mlx-lm scales the update "
+                     f"by scale, {params['scale']}, and ignores alpha, {params['alpha']}; "
+                     "toymlx's --lora.alpha is scale x rank)")
+        params = {k: v for k, v in params.items() if k != "alpha"}
     other = sorted(set(params) - {"rank", "scale", "dropout", "keys"})
     if other:
         raise ConfigFileError(f"{source}: key 'lora_parameters.{other[0]}': expected rank, scale, "
@@ -457,6 +483,7 @@ def _lora(params: Any, source: str, put) -> None:
         # each path's own target; whether the base's blocks have it is `mlx_lm_keys`'s check
         put("lora_parameters.keys", "lora.targets",
             ",".join(dict.fromkeys(MLX_LM_KEYS[k] for k in keys)))
+    return notes
 
 
 def _schedule(sched: Any, source: str, put) -> None:

@@ -349,6 +349,48 @@ def test_trust_remote_code_false_is_not_called_unhonoured():
         "repository)")]
 
 
+def test_an_older_mlx_lm_adapter_config_reads_as_mlx_lm_0_32_reads_it():
+    """An adapter_config.json of older mlx-lm (its ORPO era: CONFIG_DEFAULTS had training_mode
+    normal, beta 0.1, reward_scaling 1.0 and lora_parameters alpha 16 beside scale 10, all
+    saved) was refused: 'training_mode', an unknown key; then lora_parameters.alpha. mlx-lm
+    0.32 ignores those keys and scales its LoRA layers by scale alone; toymlx reads them so:
+    training_mode normal (supervised, what toymlx trains) and the ORPO settings at their saved
+    values quietly, alpha beside scale noted as not used, another training_mode refused."""
+    import mlx.nn as mlx_nn
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    params = {"rank": 8, "alpha": 16, "dropout": 0.0, "scale": 10.0}
+    old = {"model": "m.gguf", "train": True, "iters": 2, "training_mode": "normal", "beta": 0.1,
+           "reward_scaling": 1.0, "lora_parameters": params}
+    options, _, notes = mlx_lm_options(old, "adapter_config.json")
+    assert (options["lora.rank"], options["lora.alpha"]) == (8, 80.0)  # scale 10 x rank 8
+    assert notes == [("adapter_config.json: key 'lora_parameters.alpha': not used (mlx-lm "
+                      "scales the update by scale, 10.0, and ignores alpha, 16; toymlx's "
+                      "--lora.alpha is scale x rank)")]
+
+    class Block(mlx_nn.Module):  # mlx-lm 0.32's own LoRA layers on such a file: scale alone
+        def __init__(self):
+            super().__init__()
+            self.q_proj = mlx_nn.Linear(4, 4)
+
+    class Model(mlx_nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [Block()]
+
+    model = Model()
+    linear_to_lora_layers(model, 1, {**params, "keys": ["q_proj"]})
+    assert model.layers[0].q_proj.scale == options["lora.alpha"] / options["lora.rank"]
+    assert mlx_lm_options({**old, "beta": 0.5}, "f.yaml")[2][0] == (
+        "f.yaml: key 'beta': not used (older mlx-lm's ORPO setting, which mlx-lm 0.32 ignores)")
+    with pytest.raises(ConfigFileError) as e:
+        mlx_lm_options({**old, "training_mode": "orpo"}, "f.yaml")
+    assert str(e.value) == (
+        "f.yaml: key 'training_mode': expected normal (older mlx-lm's supervised training, what "
+        "toymlx trains; it has no DPO or ORPO, and mlx-lm 0.32 reads no training_mode), found "
+        "\"orpo\"")
+
+
 def test_clear_cache_threshold_zero_is_not_called_unhonoured():
     """mlx-lm's adapter_config.json saves clear_cache_threshold: 0 (its flag's default: never
     clear the cache), which toymlx does too: every run from such a file was noted "not
