@@ -62,9 +62,14 @@ MLX_LM_KEYS = {
     "mask_prompt": "--data.mask-prompt (with --data.train-turns last, as mlx-lm)",
     "train": "toymlx-train always trains; drop it",
     "steps_per_report": "--report-every",
-    # not a flag first: "mlx-lm's test_batches is toymlx's --test scores ..." read as a
-    # counterpart that is not one
-    "test_batches": "toymlx scores all of test.jsonl (--test), every batch; drop it",
+    # not an option: toymlx-train's --test has no cap (a text starting `--` reads as one)
+    "test_batches": "toymlx scores all of test.jsonl, every batch (--test; its first N "
+                    "examples: toymlx-eval --model RUN --split test --limit N); drop it",
+    "project_name": "--wandb-project (with --report-to wandb, the only service mlx-lm reads it "
+                    "for)",
+    "clear_cache_threshold": "toymlx manages MLX's cache itself; drop it",
+    "trust_remote_code": "toymlx runs no code from a model's repository (a GGUF holds none); "
+                         "drop it",
     "optimizer": "--optimizer (the lora recipe)",
     **{f"{part}_feature": f"--data.keys {key}=NAME (a row's NAME read as its {key})"
        for part, key in (("prompt", "prompt"), ("completion", "completion"), ("text", "text"),
@@ -98,14 +103,43 @@ MLX_LM_COMMAND_KEYS = {
         "num_draft_tokens": "toymlx-generate has no speculative decoding (no --draft-model); "
                             "drop it",
         "verbose": "toymlx-generate always prints its model and speed lines on stderr, the "
-                   "text alone on stdout; drop it"},
+                   "text alone on stdout; drop it",
+        # the rest of mlx_lm.generate's flags (mlx-lm 0.32); before, no hint, or a misleading
+        # closest spelling (--chat-template-config: "did you mean --ignore-chat-template?")
+        "prefill_response": "toymlx-generate starts the reply itself; to start it with your "
+                            "text, give the rendered conversation ending with it as --prompt "
+                            "with --ignore-chat-template; drop it",
+        "use_default_chat_template": "toymlx-generate renders the GGUF's own chat template "
+                                     "(tokenizer.chat_template) and has no default one: a GGUF "
+                                     "without a template continues --prompt as raw text; drop it",
+        "chat_template_config": "toymlx-generate renders the chat template with no extra "
+                                "arguments (no enable_thinking); drop it",
+        **{k: "toymlx-generate has no XTC sampling (its samplers: --temp, --top-p, --top-k, "
+              "--min-p, --repetition-penalty); drop it"
+           for k in ("xtc_probability", "xtc_threshold")},
+        "min_tokens_to_keep": "toymlx-generate's --min-p always keeps the most likely token "
+                              "(mlx-lm's default, 1); drop it",
+        "image": "toymlx-generate reads text models alone (no image input); drop it",
+        "prompt_cache_file": "toymlx-generate computes the prompt anew each call (no saved "
+                             "cache; --num-samples draws several texts from one prompt); drop it",
+        **{k: "toymlx-generate's KV cache is not quantized; drop it"
+           for k in ("kv_bits", "kv_group_size", "quantized_kv_start")},
+        "prefill_step_size": "toymlx-generate puts the prompt through 2048 tokens at a time "
+                             "(mlx-lm's default), not set by a flag; drop it",
+        "quantize_activations": "toymlx-generate computes activations unquantized; drop it",
+        # mlx_lm.chat's (toymlx-generate --chat stands in for it)
+        "pipeline": "toymlx-generate runs the model in one process (no pipeline across "
+                    "machines); drop it"},
     "toymlx-eval": {  # mlx_lm.lora --test's
         "adapter_path": "--model (the run folder: its base with its adapter)",
         "data": "--data.path", "test": "--split test",
         "max_seq_length": "--seq-len at max_seq_length - 1 (it counts a row's targets, mlx-lm "
                           "its tokens)",
         "test_batches": "--limit (examples: mlx-lm's batches x --batch-size; its -1, every "
-                        "batch, is the default)"},
+                        "batch, is the default)",
+        # toymlx-eval's own (before: "is toymlx-train's --data.mask-prompt", as if eval had none)
+        "mask_prompt": "--data.mask-prompt (the last message alone scored, as mlx-lm's)",
+        "val_batches": "--eval-batches (a run's own validation split; -1: every row)"},
 }
 """mlx-lm's flags and keys whose toymlx counterpart depends on the command: the mlx-lm command
 it stands in for takes them with another meaning than mlx_lm.lora's (`adapter_path` is the
@@ -130,8 +164,8 @@ def mlx_lm_hint(key: str, prog: str, in_file: bool = False) -> str | None:
     # leaves this clause, another tool's, unchanged (`caller_text`)
     said = caller_text(text, prog.rpartition(" ")[2]) if whose == "toymlx" and not in_file \
         else text
-    if not text.startswith("--"):
-        return f"mlx-lm's {key} has no {whose} option: {said}"
+    if not text.startswith("--"):  # no option of this command (`--trust-remote-code`)
+        return f"mlx-lm's {key} has no {'toymlx' if whose == 'toymlx' else command} option: {said}"
     return f"mlx-lm's {key} is {whose}'s {said}"
 
 

@@ -71,11 +71,20 @@ _RENAMED = {"iters": "steps", "learning_rate": "lr",
             "optimizer": "optimizer"}
 
 
+_AS_TOYMLX = {"trust_remote_code": False, "clear_cache_threshold": 0}
+"""_NOTED's keys at the value that asks for what toymlx does anyway (no repository code, no
+cache clearing: mlx-lm's defaults, which its adapter_config.json saves): not noted."""
+
+
 _OLD_MLX_LM = {"lora_layers": "num_layers", "use_dora": "fine_tune_type: dora"}
 """Keys older mlx-lm read -> what mlx-lm reads now; mlx-lm 0.32 ignores them without a word
 (a file's `lora_layers: 4` trains its default 16 blocks), and their closest key by spelling
 (`lora_layers`: lora_parameters) is not what they meant."""
-_SHARED = {"model", "data", "report_to", "recipe", "lr_schedule"}
+_ORPO_ERA = {"training_mode": "normal", "beta": 0.1, "reward_scaling": 1.0}
+"""Keys of older mlx-lm's lora (its ORPO training, CONFIG_DEFAULTS' values, which its
+adapter_config.json saved) that mlx-lm 0.32 ignores: training_mode normal is supervised
+training, what toymlx does; beta and reward_scaling were ORPO's alone."""
+_SHARED = {"model", "data", "report_to", "recipe", "lr_schedule", *_ORPO_ERA}
 """Keys an mlx-lm file may hold besides MLX_LM_ONLY, MLX_LM_DEFAULTS and _NOTED's."""
 _FEATURES = {"prompt_feature": "prompt", "completion_feature": "completion",
              "text_feature": "text", "chat_feature": "messages"}
@@ -159,9 +168,12 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
           "test.jsonl is scored by toymlx-eval --model RUN --split test)", data.get("train"))
     out: dict[str, Any] = {}
     rows: list[tuple[str, str, Any, str]] = []
-    # trust_remote_code false is what toymlx does: noted only where the file asks for the code
+    # trust_remote_code false and clear_cache_threshold 0 (never clear: mlx-lm's default, and
+    # what its adapter_config.json saves) are what toymlx does: noted only where a file asks
+    # for the code or the clearing
     notes = [f"{source}: key {k!r}: not honoured ({why})" for k, why in _NOTED.items()
-             if k in data and not (k == "trust_remote_code" and data[k] is False)]
+             if k in data and not (k in _AS_TOYMLX and type(data[k]) is type(_AS_TOYMLX[k])
+                                   and data[k] == _AS_TOYMLX[k])]
 
     def put(mlx_key: str, option: str, value: Any, origin: str | None = None) -> None:
         if option in out:  # set again by a key that overrides another (lr_schedule over lr)
@@ -200,8 +212,9 @@ def mlx_lm_options(data: dict[str, Any], source: str, flags: frozenset[str] = fr
         _want(source, "val_batches", _int(vb) and (vb >= 1 or vb == -1),
               "an integer >= 1, or -1 (every batch)", vb)
         put("val_batches", "eval_batches", vb)  # -1: every batch, as toymlx spells it too
+    notes += _orpo_era(data, source)
     if given["fine_tune_type"] != "full":
-        _lora(given["lora_parameters"], source, put)
+        notes += _lora(given["lora_parameters"], source, put)
     if "lr_schedule" in data:
         _schedule(data["lr_schedule"], source, put)
         if "learning_rate" in data and data["learning_rate"] != out["lr"]:
@@ -411,11 +424,32 @@ def mlx_lm_rank_given(options: dict[str, Any], rows: list[tuple[str, str, Any, s
     return {**options, "lora.alpha": alpha}, rows
 
 
-def _lora(params: Any, source: str, put) -> None:
+def _orpo_era(data: dict[str, Any], source: str) -> list[str]:
+    """Notes for older mlx-lm's `_ORPO_ERA` keys (none at the values its adapter_config.json
+    saved); ConfigFileError for a training_mode other than normal (DPO, ORPO: preference
+    training, which toymlx does not do and mlx-lm 0.32 no longer reads)."""
+    mode = data.get("training_mode", "normal")
+    _want(source, "training_mode", mode == "normal", "normal (older mlx-lm's supervised "
+          "training, what toymlx trains; it has no DPO or ORPO, and mlx-lm 0.32 reads no "
+          "training_mode)", mode)
+    return [f"{source}: key {k!r}: not used (older mlx-lm's ORPO setting, which mlx-lm 0.32 "
+            "ignores)" for k in ("beta", "reward_scaling")
+            if k in data and data[k] != _ORPO_ERA[k]]
+
+
+def _lora(params: Any, source: str, put) -> list[str]:
     """lora_parameters: rank, scale (toymlx's alpha = scale x rank: the same update), dropout,
-    keys. mlx-lm takes the mapping whole (no key falls back to a default) and requires scale."""
+    keys. mlx-lm takes the mapping whole (no key falls back to a default) and requires scale;
+    older mlx-lm's alpha beside it (its adapter_config.json saved both), which mlx-lm 0.32's
+    LoRA layers ignore, is noted as not used."""
     _want(source, "lora_parameters", isinstance(params, dict), "a mapping of rank, scale, "
           "dropout[, keys]", params)
+    notes = []
+    if "alpha" in params and "scale" in params:
+        notes.append(f"{source}: key 'lora_parameters.alpha': not used (mlx-lm scales the update "
+                     f"by scale, {params['scale']}, and ignores alpha, {params['alpha']}; "
+                     "toymlx's --lora.alpha is scale x rank)")
+        params = {k: v for k, v in params.items() if k != "alpha"}
     other = sorted(set(params) - {"rank", "scale", "dropout", "keys"})
     if other:
         raise ConfigFileError(f"{source}: key 'lora_parameters.{other[0]}': expected rank, scale, "
@@ -449,6 +483,7 @@ def _lora(params: Any, source: str, put) -> None:
         # each path's own target; whether the base's blocks have it is `mlx_lm_keys`'s check
         put("lora_parameters.keys", "lora.targets",
             ",".join(dict.fromkeys(MLX_LM_KEYS[k] for k in keys)))
+    return notes
 
 
 def _schedule(sched: Any, source: str, put) -> None:
@@ -474,20 +509,26 @@ def _schedule(sched: Any, source: str, put) -> None:
 
 
 def _optimizer_config(conf: Any, name: Any, source: str, put) -> None:
-    """optimizer_config.<name>: adam and adamw's betas, eps (MLX's 1e-8 only) and adamw's
-    weight_decay (MLX's default 0.01); the other optimizers run with MLX's defaults."""
+    """optimizer_config.<name>: adam and adamw's betas, eps and bias_correction (MLX's
+    defaults 1e-8 and false; mlx-lm's example config sets 1e-6 and true), adamw's weight_decay
+    (MLX's default 0.01); the other optimizers run with MLX's defaults."""
     conf = {} if conf is None else conf
     conf = (conf.get(name) or {}) if isinstance(conf, dict) else conf
     key = f"optimizer_config.{name}"
     _want(source, key, isinstance(conf, dict), "a mapping of the optimizer's arguments", conf)
-    allowed = {"adam": {"betas", "eps"}, "adamw": {"betas", "eps", "weight_decay"}}.get(name, set())
+    adam = {"betas", "eps", "bias_correction"}
+    allowed = {"adam": adam, "adamw": adam | {"weight_decay"}}.get(name, set())
     for k, v in conf.items():
         if k not in allowed:
             raise ConfigFileError(f"{source}: key '{key}.{k}': expected "
                                   + (", ".join(sorted(allowed)) if allowed else "no arguments")
                                   + f" (what toymlx's {name} takes), found {k!r}; remove it")
         if k == "eps":
-            _want(source, f"{key}.eps", v == 1e-8, "1e-8 (the eps toymlx's Adam uses)", v)
+            _want(source, f"{key}.eps", _number(v) and v > 0, "a number > 0", v)
+            put(f"{key}.eps", "adam_eps", float(v))
+        if k == "bias_correction":
+            _want(source, f"{key}.bias_correction", isinstance(v, bool), "true or false", v)
+            put(f"{key}.bias_correction", "bias_correction", v)
         if k == "betas":
             _want(source, f"{key}.betas", isinstance(v, list) and len(v) == 2
                   and all(_number(b) for b in v), "[beta1, beta2]", v)
@@ -586,22 +627,20 @@ def _report_to(value: Any, source: str) -> str:
 
 
 def _test_batches(data: dict[str, Any], test: Any, source: str) -> list[str]:
-    """test_batches: mlx-lm's test pass scores its first N batches (-1: all of them); toymlx's
-    --test has no cap and scores all of test.jsonl, so only -1 is honoured, another N refused
-    when test is true (unused otherwise, as in mlx-lm); a note when the file leaves it to
-    mlx-lm's default (500)."""
-    if "test_batches" not in data:
-        return [(f"{source}: key 'test': toymlx's --test scores all of test.jsonl; mlx-lm "
-                 "scores its first 500 batches (test_batches' default; -1 is every batch)")
-                ] if test is True else []
-    n = data["test_batches"]
+    """test_batches: mlx-lm's test pass scores N of its batches, drawn at random (its
+    iterate_batches; -1: all of them); toymlx's --test has no cap and scores all of test.jsonl.
+    -1 is honoured; another N, or the file leaving it to mlx-lm's default (500), is noted when
+    test is true (unused otherwise, as in mlx-lm): it changes what is scored, not what is
+    trained, so the file runs as it is."""
+    n = data.get("test_batches", -1)
     _want(source, "test_batches", _int(n) and (n >= 1 or n == -1),
           "an integer >= 1, or -1 (every batch)", n)
-    if test is True and n != -1:
-        raise ConfigFileError(f"{source}: key 'test_batches': expected -1 (every batch: "
-                              "toymlx's --test scores all of test.jsonl and cannot stop "
-                              f"earlier), found {n}; set test_batches: -1")
-    return []
+    if test is not True or ("test_batches" in data and n == -1):
+        return []
+    key, n = ("test_batches", n) if "test_batches" in data else ("test", 500)
+    return [f"{source}: key {key!r}: toymlx's --test scores all of test.jsonl; mlx-lm scores at "
+            f"most {n} of its batches, drawn at random ("
+            + ("test_batches' default; " if key == "test" else "") + "-1 is every batch)"]
 
 
 def mlx_lm_mask_prompt(cfg: Any, source: str) -> None:
@@ -703,7 +742,61 @@ def mlx_lm_parsed(cfg: Any, in_file: dict[str, Any], source: str, argv: list[str
     if "--lora.targets" not in flags:  # else the flag's meaning
         params = in_file.get("lora_parameters")
         mlx_lm_keys(cfg, params.get("keys") if isinstance(params, dict) else None, source)
+    if "--eval-batches" not in flags:
+        notes += mlx_lm_held_out_rows(cfg, source, in_file.get("test_batches", 500))
     return cfg, notes
+
+
+def mlx_lm_held_out_rows(cfg: Any, source: str, test_batches: Any = 500) -> list[str]:
+    """Notes where mlx-lm scores other examples of valid.jsonl (and test.jsonl, with --test)
+    than toymlx does. mlx-lm's evaluate (mlx_lm/tuner/trainer.py's iterate_batches) sorts the
+    examples by length into whole batches of batch_size (the len % batch_size longest in none;
+    fewer examples than batch_size: refused) and scores val_batches of them drawn in a random
+    order, anew at each validation; toymlx scores the first val_batches x batch_size in the
+    file's order (`toymlx.data.chat.sft_val_batches`), every one with -1, the same at each, and
+    all of test.jsonl. `test_batches`: the file's (mlx-lm's default 500; more batches than it
+    are said by `_test_batches`' note)."""
+    from toymlx.data.chat import data_files
+
+    bs, cap = cfg.batch_size, cfg.eval_batches
+    if not cfg.data.path or not Path(cfg.data.path).is_dir() or bs < 1 or (
+            cap < 1 and cap != -1):  # a bad count is refused later, naming the key
+        return []
+    try:
+        files = data_files(cfg.data.path)
+    except ValueError:  # left to the reader, which names it
+        return []
+    notes = []
+    for split, file, most, verb in (("val_batches", files.valid, cap, "validates on"),
+                                    ("test_batches", files.test if cfg.test else None,
+                                     test_batches, "scores")):
+        if file is None or file.suffix != ".jsonl":
+            continue
+        try:
+            with open(file, "rb") as f:
+                n = sum(1 for line in f if line.strip())
+        except OSError:
+            continue
+        whole = n // bs
+        drawn = whole if most == -1 else min(most, whole)
+        if drawn * bs == n or (split == "test_batches" and drawn < whole):
+            continue
+        if whole == 0:
+            notes.append(f"{source}: key 'batch_size': {file} holds {counted(n, 'example')}, "
+                         f"fewer than batch_size {bs}: mlx-lm refuses {'it' if n == 1 else 'them'}"
+                         f" (its batches are whole), toymlx {verb} "
+                         f"{'it' if n == 1 else f'all {n}'}")
+            continue
+        head = f"{source}: key {split!r}: {file} holds {counted(n, 'example')}"
+        if drawn == whole:
+            notes.append(f"{head}: mlx-lm's whole batches of {bs} leave out the {n - whole * bs} "
+                         f"longest, toymlx {verb} all {n}")
+            continue
+        notes.append(f"{head}: mlx-lm validates on {drawn} of its {whole} batches of {bs} "
+                     f"examples alike in length ({drawn * bs} examples), drawn anew at each "
+                     f"validation; toymlx on the first {min(n, cap * bs)} in the file's order, "
+                     "the same each time")
+    return notes
 
 
 def mlx_lm_error(message: str, rows: list[tuple[str, str, Any, str]], source: str) -> str:

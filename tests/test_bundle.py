@@ -272,6 +272,28 @@ def test_a_config_format_6_run_takes_wandb_project_at_its_default():
                                    "saved --wandb-project value, found no key")
 
 
+def test_an_older_config_json_reads_adam_s_eps_and_bias_correction_as_those_runs_had_them():
+    """--adam-eps and --bias-correction came with config.json format 9 (mlx-lm's
+    optimizer_config eps and bias_correction): a format-8 file lacks them and reads as those
+    runs trained (MLX's 1e-8, no bias correction), so its --resume is exact; a format-9 file
+    without them is damage."""
+    import dataclasses
+
+    from toymlx.bundle.folder import CONFIG_FORMAT, added_since
+    from toymlx.bundle.options import RunError, config_from_dict
+    from toymlx.recipes import lora
+
+    d = json.loads(json.dumps(dataclasses.asdict(lora.Config(base="b.gguf"))))  # as saved
+    del d["adam_eps"], d["bias_correction"]
+    cfg = config_from_dict(lora.Config, d, "c.json", optional=added_since(8))
+    assert (cfg.adam_eps, cfg.bias_correction) == (1e-8, False)
+    assert CONFIG_FORMAT >= 9
+    with pytest.raises(RunError) as e:
+        config_from_dict(lora.Config, d, "c.json", optional=added_since(9))
+    assert str(e.value).startswith("c.json: key 'config.adam_eps': expected the run's saved "
+                                   "--adam-eps value, found no key")
+
+
 # ---- a .jsonl data file, read as text by the runs before --data.read-as ------------------------
 @pytest.fixture(scope="module")
 def records(tmp_path_factory, data) -> Path:
@@ -332,7 +354,7 @@ def test_a_run_records_how_it_read_its_data_file(tmp_path, records, data):
         assert main([*more, "--recipe", "from-scratch", *TINY, "--data.path", str(path),
                      "--runs-root", str(tmp_path), "--run-id", name, "--steps", "1"]) == 0
         saved = json.loads((tmp_path / name / "config.json").read_text())
-        assert saved["format"] == 8
+        assert saved["format"] >= 8  # format 8 on holds data.read_as
         got[name] = saved["config"]["data"]["read_as"]
     assert got == {"jsonl": "records", "txt": "text", "folder": None, "over_c": "records"}
 

@@ -840,13 +840,19 @@ def test_data_folder_in_mlx_lm_layout(tmp_path):
     # said, since mlx-lm trains on all of train.jsonl without a valid.jsonl
     assert data.notes() == [(f"{folder}: no valid.jsonl: the last 3 of train.jsonl's 6 "
                              "examples validate and are not trained on (--data.val-fraction "
-                             "0.5; mlx-lm trains on all 6 and validates nothing)")]
+                             "0.5; mlx-lm trains on all 6 and validates nothing, as "
+                             "--data.val-fraction 0 does)")]
     # a file given alone is split as documented, without a note
     assert SFTData.from_file(folder / "train.jsonl", tok, seq_len=16).notes() == []
+    # --data.val-fraction 0 trains on all 6 and validates nothing, as mlx-lm: no note (it said
+    # "the last 0 of train.jsonl's 6 examples validate and are not trained on")
+    none = SplitExamples.of(folder, 0.0)
+    assert (len(none.train), len(none.val), none.note) == (6, 0, None)
     # one held out: "the last 1 of train.jsonl's 6 examples validate and are" was said
     assert SplitExamples.of(folder, 0.1).note == (
         f"{folder}: no valid.jsonl: the last 1 of train.jsonl's 6 examples validates and is not "
-        "trained on (--data.val-fraction 0.1; mlx-lm trains on all 6 and validates nothing)")
+        "trained on (--data.val-fraction 0.1; mlx-lm trains on all 6 and validates nothing, as "
+        "--data.val-fraction 0 does)")
 
 
 QA = [("What is 2+2, in words?", 'It is "four".'), ("List two fruits.", "apple,\npear"),
@@ -1091,7 +1097,8 @@ def test_a_data_folder_of_tables_gives_the_rows_of_its_jsonl_files(tmp_path, pac
     assert data.test_source == str(tables / "test.json")
     assert data.notes() == [(f"{tables}: no valid.jsonl: the last 3 of train.csv's 6 examples "
                              "validate and are not trained on (--data.val-fraction 0.5; mlx-lm "
-                             "trains on all 6 and validates nothing)")]
+                             "trains on all 6 and validates nothing, as --data.val-fraction "
+                             "0 does)")]
 
 
 def test_a_split_given_twice_in_a_data_folder_is_one_line(tmp_path):

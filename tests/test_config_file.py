@@ -560,8 +560,9 @@ def test_another_tool_s_flag_as_a_key_is_named_as_the_flag_is(tmp_path, capsys, 
      "lora, found an unknown key; mlx-lm's model is toymlx's base")),
     # before: "mlx-lm's test_batches is toymlx's --test scores all of test.jsonl; drop it"
     ("lora", "base: b.gguf\ntest_batches: 5\n", ("key 'test_batches': expected an option of "
-     "toymlx-train --recipe lora, found an unknown key; mlx-lm's test_batches has no toymlx option: toymlx "
-     "scores all of test.jsonl (test), every batch; drop it")),
+     "toymlx-train --recipe lora, found an unknown key; mlx-lm's test_batches has no toymlx "
+     "option: toymlx scores all of test.jsonl, every batch (test; its first N examples: "
+     "toymlx-eval --model RUN --split test --limit N); drop it")),
 ])
 def test_the_mlx_lm_hint_only_where_it_applies(tmp_path, capsys, recipe, text, hint):
     """vit-tiny has --model.* options: its `model.n_layerz` and `model: 5` were told "mlx-lm's

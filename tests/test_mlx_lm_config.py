@@ -349,6 +349,59 @@ def test_trust_remote_code_false_is_not_called_unhonoured():
         "repository)")]
 
 
+def test_an_older_mlx_lm_adapter_config_reads_as_mlx_lm_0_32_reads_it():
+    """An adapter_config.json of older mlx-lm (its ORPO era: CONFIG_DEFAULTS had training_mode
+    normal, beta 0.1, reward_scaling 1.0 and lora_parameters alpha 16 beside scale 10, all
+    saved) was refused: 'training_mode', an unknown key; then lora_parameters.alpha. mlx-lm
+    0.32 ignores those keys and scales its LoRA layers by scale alone; toymlx reads them so:
+    training_mode normal (supervised, what toymlx trains) and the ORPO settings at their saved
+    values quietly, alpha beside scale noted as not used, another training_mode refused."""
+    import mlx.nn as mlx_nn
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    params = {"rank": 8, "alpha": 16, "dropout": 0.0, "scale": 10.0}
+    old = {"model": "m.gguf", "train": True, "iters": 2, "training_mode": "normal", "beta": 0.1,
+           "reward_scaling": 1.0, "lora_parameters": params}
+    options, _, notes = mlx_lm_options(old, "adapter_config.json")
+    assert (options["lora.rank"], options["lora.alpha"]) == (8, 80.0)  # scale 10 x rank 8
+    assert notes == [("adapter_config.json: key 'lora_parameters.alpha': not used (mlx-lm "
+                      "scales the update by scale, 10.0, and ignores alpha, 16; toymlx's "
+                      "--lora.alpha is scale x rank)")]
+
+    class Block(mlx_nn.Module):  # mlx-lm 0.32's own LoRA layers on such a file: scale alone
+        def __init__(self):
+            super().__init__()
+            self.q_proj = mlx_nn.Linear(4, 4)
+
+    class Model(mlx_nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [Block()]
+
+    model = Model()
+    linear_to_lora_layers(model, 1, {**params, "keys": ["q_proj"]})
+    assert model.layers[0].q_proj.scale == options["lora.alpha"] / options["lora.rank"]
+    assert mlx_lm_options({**old, "beta": 0.5}, "f.yaml")[2][0] == (
+        "f.yaml: key 'beta': not used (older mlx-lm's ORPO setting, which mlx-lm 0.32 ignores)")
+    with pytest.raises(ConfigFileError) as e:
+        mlx_lm_options({**old, "training_mode": "orpo"}, "f.yaml")
+    assert str(e.value) == (
+        "f.yaml: key 'training_mode': expected normal (older mlx-lm's supervised training, what "
+        "toymlx trains; it has no DPO or ORPO, and mlx-lm 0.32 reads no training_mode), found "
+        "\"orpo\"")
+
+
+def test_clear_cache_threshold_zero_is_not_called_unhonoured():
+    """mlx-lm's adapter_config.json saves clear_cache_threshold: 0 (its flag's default: never
+    clear the cache), which toymlx does too: every run from such a file was noted "not
+    honoured"; a threshold still is."""
+    base = {"model": "m.gguf", "iters": 1}
+    assert mlx_lm_lora.build_parser().parse_args([]).clear_cache_threshold == 0
+    assert mlx_lm_options({**base, "clear_cache_threshold": 0}, "f.yaml")[2] == []
+    assert mlx_lm_options({**base, "clear_cache_threshold": 1000000}, "f.yaml")[2] == [(
+        "f.yaml: key 'clear_cache_threshold': not honoured (toymlx manages MLX's cache itself)")]
+
+
 def test_the_optimizers_are_mlx_lm_s():
     opt = lora.make_optimizer(_cfg())
     # MLX's Adam, its update computed as three one-output kernels (toymlx.training.optimizers)
@@ -784,6 +837,40 @@ def _one_step(make_opt) -> dict[str, np.ndarray]:
     return {k: np.array(v) for k, v in model.parameters().items()}
 
 
+@pytest.mark.parametrize("name", ["adamw", "adam"])
+def test_mlx_lm_s_example_optimizer_config_trains_as_mlx_s_optimizer(name):
+    """mlx-lm's own example config (mlx_lm/examples/lora_config.yaml) sets optimizer_config
+    adamw {betas: [0.9, 0.98], eps: 1e-6, weight_decay: 0.05, bias_correction: true}: eps was
+    refused unless 1e-8 and bias_correction as no argument of toymlx's adamw, so the file did not
+    run. They are --adam-eps and --bias-correction now, and one compiled step moves the weights
+    as MLX's optimizer given them does (mlx-lm's `opt_class(learning_rate=lr, **config)`)."""
+    conf = {"betas": [0.9, 0.98], "eps": 1e-6, "bias_correction": True,
+            **({"weight_decay": 0.05} if name == "adamw" else {})}
+    options, rows, notes = mlx_lm_options({"model": "m.gguf", "iters": 2, "optimizer": name,
+                                           "optimizer_config": {name: conf}}, "f.yaml")
+    assert (options["adam_eps"], options["bias_correction"], notes) == (1e-6, True, [])
+    assert (f"optimizer_config.{name}.bias_correction", "--bias-correction", True,
+            "file") in rows
+    cfg = _cfg(optimizer=name, learning_rate=1e-2, optimizer_config={name: conf})
+    cls = optim.AdamW if name == "adamw" else optim.Adam
+
+    def mlx_s(**kw):
+        return cls(learning_rate=1e-2, **{**conf, **kw})
+
+    ours, theirs = _one_step(lambda: lora.make_optimizer(cfg)), _one_step(mlx_s)
+    for k in theirs:
+        np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-6, atol=0)
+    # without them (before: the file refused, the keys removed) another step
+    plain = _one_step(lambda: mlx_s(eps=1e-8, bias_correction=False))
+    assert np.abs(plain["m"] - theirs["m"]).max() > 1e-3
+    for bad, line in ((0, "expected a number > 0, found 0"),
+                      ("yes", 'expected true or false, found "yes"')):
+        key = "eps" if bad == 0 else "bias_correction"
+        with pytest.raises(ConfigFileError, match=f"key 'optimizer_config.{name}.{key}': {line}"):
+            mlx_lm_options({"iters": 2, "optimizer": name,
+                            "optimizer_config": {name: {key: bad}}}, "f.yaml")
+
+
 def test_adamw_decays_every_trained_array_as_mlx_lm_s():
     """mlx-lm's adamw is MLX's AdamW on every trained array: the file maps it to
     --weight-decay-scope all, and one compiled step moves a vector (a DoRA magnitude, a full
@@ -950,6 +1037,84 @@ def test_val_batches_minus_one_is_toymlx_s_eval_batches_minus_one():
         "the first --eval-batches 8 x --batch-size 4")
 
 
+def _mlx_lm_validations(lengths: list[int], batch_size: int, val_batches: int,
+                        draws: int = 4) -> list[list[int]]:
+    """The examples (by index) each of `draws` validations of mlx-lm scores on examples of
+    `lengths` tokens: its evaluate's `val_batches` batches of its own iterate_batches."""
+    import itertools
+
+    from mlx_lm.tuner.trainer import iterate_batches
+
+    np.random.seed(0)  # mlx_lm.lora's run seeds numpy's global draws with its seed
+    dataset = [([i + 1] * n, 0) for i, n in enumerate(lengths)]
+    scored = []
+    for _ in range(draws):
+        batches = itertools.islice(iterate_batches(dataset, batch_size, 2048),
+                                   None if val_batches == -1 else val_batches)
+        scored.append(sorted(int(b[r, 0]) - 1 for b, _ in batches for r in range(b.shape[0])))
+    return scored
+
+
+def test_a_note_says_where_mlx_lm_validates_on_other_examples(tmp_path, base, data, capsys):
+    """mlx-lm's val_batches are whole batches of examples sorted by length, drawn in a random
+    order at each validation (its iterate_batches): -1 leaves out the len % batch_size longest,
+    N < the batches holds other examples at each validation, fewer examples than batch_size are
+    refused. toymlx validates on the first N x batch_size examples in the file's order (all
+    with -1), the same each time, and its --test scores all of test.jsonl: the val and test
+    losses were of other examples without a word."""
+    from types import SimpleNamespace
+
+    from mlx_lm.tuner.trainer import iterate_batches
+    from toymlx_cli.mlx_lm_config import mlx_lm_held_out_rows
+
+    def note(lengths, batch_size, val_batches, test=False):
+        folder = tmp_path / f"d{len(lengths)}"
+        folder.mkdir(exist_ok=True)
+        for split, n in (("train", 2), ("valid", len(lengths)), ("test", len(lengths))):
+            (folder / f"{split}.jsonl").write_text("".join(
+                json.dumps({"text": "x" * k}) + "\n" for k in lengths[:n]))
+        cfg = SimpleNamespace(data=SimpleNamespace(path=str(folder)), batch_size=batch_size,
+                              eval_batches=val_batches, test=test)
+        notes = mlx_lm_held_out_rows(cfg, "f.yaml", -1)
+        assert len(notes) == 1 + test or not notes
+        return notes[-1] if notes else None
+
+    five = [9, 3, 7, 5, 4]
+    theirs = _mlx_lm_validations(five, 2, -1)
+    assert theirs == [[1, 2, 3, 4]] * 4  # all but the longest, example 0
+    assert note(five, 2, -1) == (
+        f"f.yaml: key 'val_batches': {tmp_path}/d5/valid.jsonl holds 5 examples: mlx-lm's whole "
+        "batches of 2 leave out the 1 longest, toymlx validates on all 5")
+    six = [9, 3, 7, 5, 4, 8]
+    theirs = _mlx_lm_validations(six, 2, 1)
+    assert {len(s) for s in theirs} == {2} and len({tuple(s) for s in theirs}) > 1
+    assert note(six, 2, 1) == (
+        f"f.yaml: key 'val_batches': {tmp_path}/d6/valid.jsonl holds 6 examples: mlx-lm "
+        "validates on 1 of its 3 batches of 2 examples alike in length (2 examples), drawn anew "
+        "at each validation; toymlx on the first 2 in the file's order, the same each time")
+    with pytest.raises(ValueError, match="at least batch_size=2"):
+        next(iterate_batches([([1, 2], 0)], 2, 2048))
+    assert note([4], 2, -1) == (
+        f"f.yaml: key 'batch_size': {tmp_path}/d1/valid.jsonl holds 1 example, fewer than "
+        "batch_size 2: mlx-lm refuses it (its batches are whole), toymlx validates on it")
+    # mlx_lm.lora --test's one pass over test.jsonl likewise (evaluate_model)
+    assert note(five, 2, -1, test=True) == (
+        f"f.yaml: key 'test_batches': {tmp_path}/d5/test.jsonl holds 5 examples: mlx-lm's whole "
+        "batches of 2 leave out the 1 longest, toymlx scores all 5")
+    # the same examples: no note
+    assert _mlx_lm_validations(six[:4], 2, -1)[0] == [0, 1, 2, 3]
+    assert note(six[:4], 2, -1) is None and note(six, 2, 3) is None
+    # a run says it (the data folder's 4 validation examples in batches of 3)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": str(base), "data": str(data), "iters": 1, "batch_size": 3, "num_layers": 1,
+        "max_seq_length": 64, "adapter_path": str(tmp_path / "runs" / "r")}))
+    assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 0
+    assert (f"toymlx-train: {path}: key 'val_batches': {data}/valid.jsonl holds 4 examples: "
+            "mlx-lm's whole batches of 3 leave out the 1 longest, toymlx validates on all 4"
+            ) in capsys.readouterr().err.splitlines()
+
+
 def test_the_val_loss_of_an_iteration_is_noted_as_one_update_apart():
     """mlx-lm validates at iteration N before that iteration's update, toymlx after step N: the
     same count is one update apart, said where the file sets steps_per_eval."""
@@ -1080,7 +1245,8 @@ def test_a_refused_mlx_lm_config_run_says_its_one_error_line_and_no_note(
     assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 0  # said when it runs
     notes = [x for x in capsys.readouterr().err.splitlines() if x.startswith(f"toymlx-train: "
                                                                             f"{path}: ")]
-    assert [x.split(": ")[2] for x in notes] == ["key 'adapter_path'", "num_layers 16"]
+    assert [x.split(": ")[2] for x in notes] == ["key 'adapter_path'", "num_layers 16",
+                                                 "key 'val_batches'"]
 
 
 def test_data_given_on_the_command_line_wins_over_the_file_s_hf_dataset(tmp_path, base, data,
@@ -1117,24 +1283,28 @@ def test_report_to_takes_the_command_line_s_values(monkeypatch):
         assert mlx_lm_options({"iters": 5, "report_to": value}, "f.yaml")[0]["report_to"] == value
 
 
-def test_test_batches_is_honoured_at_minus_one_and_refused_where_it_would_cap():
+def test_test_batches_is_honoured_at_minus_one_and_noted_where_it_would_cap():
     """test_batches was noted as not honoured whatever it was; -1 (mlx-lm: every batch) is
-    toymlx's --test exactly, another count with test: true is refused (toymlx's test pass has
-    no cap), and a test: true file that leaves it out is noted (mlx-lm's default is 500)."""
+    toymlx's --test exactly, another count with test: true is noted (toymlx's test pass has no
+    cap; it was refused, though it changes what is scored, not what is trained, so an mlx-lm
+    file with test_batches: 20 did not run), and so is a test: true file that leaves it out
+    (mlx-lm's default is 500)."""
     assert mlx_lm_options({"iters": 5, "test": True, "test_batches": -1}, "f.yaml")[2] == []
     assert mlx_lm_options({"iters": 5, "test_batches": 20}, "f.yaml")[2] == []  # test false
-    with pytest.raises(ConfigFileError) as e:
-        mlx_lm_options({"iters": 5, "test": True, "test_batches": 20}, "f.yaml")
-    assert str(e.value) == ("f.yaml: key 'test_batches': expected -1 (every batch: toymlx's "
-                            "--test scores all of test.jsonl and cannot stop earlier), found 20; "
-                            "set test_batches: -1")
+    options, _, notes = mlx_lm_options({"iters": 5, "test": True, "test_batches": 20}, "f.yaml")
+    assert options["test"] is True
+    assert notes == [("f.yaml: key 'test_batches': toymlx's --test scores all of test.jsonl; "
+                      "mlx-lm scores at most 20 of its batches, drawn at random (-1 is every "
+                      "batch)")]
     with pytest.raises(ConfigFileError) as e:
         mlx_lm_options({"iters": 5, "test_batches": 0}, "f.yaml")
     assert str(e.value) == ("f.yaml: key 'test_batches': expected an integer >= 1, or -1 (every "
                             "batch), found 0")
     assert mlx_lm_options({"iters": 5, "test": True}, "f.yaml")[2] == [
-        ("f.yaml: key 'test': toymlx's --test scores all of test.jsonl; mlx-lm scores its "
-         "first 500 batches (test_batches' default; -1 is every batch)")]
+        # not its first 500 (before): mlx-lm's iterate_batches draws them in a random order
+        ("f.yaml: key 'test': toymlx's --test scores all of test.jsonl; mlx-lm scores at most "
+         "500 of its batches, drawn at random (test_batches' default; -1 is every batch)")]
+    assert _mlx_lm_validations([5, 6, 7, 8, 9, 10], 2, 1, draws=1) != [[0, 1]]  # not the first
 
 
 def test_project_name_is_the_w_and_b_project_and_the_config_records_it(tmp_path, base, data,
@@ -1713,7 +1883,7 @@ def test_a_sweep_says_once_what_each_run_says_of_a_folder_without_valid_jsonl(
                        "--sweep-id", "nv", "--no-progress", "--no-report"]) == 0
     note = (f"{folder}: no valid.jsonl: the last 1 of train.jsonl's 12 examples validates and "
             "is not trained on (--data.val-fraction 0.1; mlx-lm trains on all 12 and validates "
-            "nothing)")
+            "nothing, as --data.val-fraction 0 does)")
     err = capsys.readouterr().err.splitlines()
     assert err.count(f"toymlx-sweep: {note}") == 1
     assert err.index(f"toymlx-sweep: {note}") < next(

@@ -349,6 +349,41 @@ def test_unsloths_gguf_quantization_is_toymlx_export_s_dtype(capsys):
     ("generate", "--num-draft-tokens", ("mlx-lm's --num-draft-tokens has no toymlx-generate "
      "option: toymlx-generate has no speculative decoding (no --draft-model); drop it")),
     ("eval", "--test", "mlx-lm's --test is toymlx-eval's --split test"),
+    # toymlx-eval's own options (before: "is toymlx-train's --data.mask-prompt" and
+    # "toymlx-train's --eval-batches", as if eval took neither)
+    ("eval", "--mask-prompt", ("mlx-lm's --mask-prompt is toymlx-eval's --data.mask-prompt (the "
+     "last message alone scored, as mlx-lm's)")),
+    ("eval", "--val-batches", ("mlx-lm's --val-batches is toymlx-eval's --eval-batches (a run's "
+     "own validation split; -1: every row)")),
+    # the rest of mlx_lm.generate's flags (before: no hint, or the closest spelling: "did you
+    # mean --ignore-chat-template?" for --chat-template-config, "--no-ignore-chat-template?"
+    # for --use-default-chat-template)
+    ("generate", "--chat-template-config", ("mlx-lm's --chat-template-config has no "
+     "toymlx-generate option: toymlx-generate renders the chat template with no extra arguments "
+     "(no enable_thinking); drop it")),
+    ("generate", "--use-default-chat-template", ("mlx-lm's --use-default-chat-template has no "
+     "toymlx-generate option: toymlx-generate renders the GGUF's own chat template "
+     "(tokenizer.chat_template) and has no default one: a GGUF without a template continues "
+     "--prompt as raw text; drop it")),
+    ("generate", "--prefill-response", ("mlx-lm's --prefill-response has no toymlx-generate "
+     "option: toymlx-generate starts the reply itself; to start it with your text, give the "
+     "rendered conversation ending with it as --prompt with --ignore-chat-template; drop it")),
+    ("generate", "--xtc-threshold", ("mlx-lm's --xtc-threshold has no toymlx-generate option: "
+     "toymlx-generate has no XTC sampling (its samplers: --temp, --top-p, --top-k, --min-p, "
+     "--repetition-penalty); drop it")),
+    ("generate", "--min-tokens-to-keep", ("mlx-lm's --min-tokens-to-keep has no toymlx-generate "
+     "option: toymlx-generate's --min-p always keeps the most likely token (mlx-lm's default, "
+     "1); drop it")),
+    ("generate", "--kv-bits", ("mlx-lm's --kv-bits has no toymlx-generate option: "
+     "toymlx-generate's KV cache is not quantized; drop it")),
+    ("generate", "--prefill-step-size", ("mlx-lm's --prefill-step-size has no toymlx-generate "
+     "option: toymlx-generate puts the prompt through 2048 tokens at a time (mlx-lm's default), "
+     "not set by a flag; drop it")),
+    ("generate", "--pipeline", ("mlx-lm's --pipeline has no toymlx-generate option: "
+     "toymlx-generate runs the model in one process (no pipeline across machines); drop it")),
+    # a flag of no toymlx command is named as this command's lack (not toymlx-train's)
+    ("generate", "--trust-remote-code", ("mlx-lm's --trust-remote-code has no toymlx-generate "
+     "option: toymlx runs no code from a model's repository (a GGUF holds none); drop it")),
     # a training flag elsewhere is toymlx-train's, not the command's
     ("export", "--iters", "mlx-lm's --iters is toymlx-train's --steps"),
     ("eval", "--learning-rate", "mlx-lm's --learning-rate is toymlx-train's --lr"),
@@ -674,9 +709,17 @@ def test_timm_s_flags_are_named_with_toymlx_s(capsys, tmp_path, monkeypatch, arg
     # before: "mlx-lm's --train is toymlx's nothing (toymlx-train always trains)"
     ("lora", "--train", ("mlx-lm's --train has no toymlx option: toymlx-train always trains; "
      "drop it")),
-    # before: "mlx-lm's --test-batches is toymlx's --test scores all of test.jsonl; drop it"
+    # before: "--test-batches is toymlx's --test scores all of test.jsonl; drop it" (a text
+    # read as a flag); --project-name, --clear-cache-threshold and --trust-remote-code no hint
     ("lora", "--test-batches", ("mlx-lm's --test-batches has no toymlx option: toymlx scores all "
-     "of test.jsonl (--test), every batch; drop it")),
+     "of test.jsonl, every batch (--test; its first N examples: toymlx-eval --model RUN --split "
+     "test --limit N); drop it")),
+    ("lora", "--project-name", ("mlx-lm's --project-name is toymlx's --wandb-project (with "
+     "--report-to wandb, the only service mlx-lm reads it for)")),
+    ("lora", "--clear-cache-threshold", ("mlx-lm's --clear-cache-threshold has no toymlx option: "
+     "toymlx manages MLX's cache itself; drop it")),
+    ("lora", "--trust-remote-code", ("mlx-lm's --trust-remote-code has no toymlx option: toymlx "
+     "runs no code from a model's repository (a GGUF holds none); drop it")),
     # nanoGPT's, each recipe its own (before: vit-tiny's --dataset "a text file", --dropout
     # and --bias "its Llama")
     ("from-scratch", "--dataset", ("nanoGPT's dataset is toymlx's --data.path (a text file, not "

@@ -1774,14 +1774,16 @@ class SplitExamples:
             train, val = split_examples(examples, val_fraction)
             if not val and val_fraction > 0:  # too few examples: the run would validate nothing
                 note = none_held_out(files.train, len(examples), val_fraction)
-            elif files.train != Path(path):  # a folder in mlx-lm's layout, whose valid.jsonl
-                # mlx-lm would go without: it trains on every example and validates none
+            elif val and files.train != Path(path):  # a folder in mlx-lm's layout, whose
+                # valid.jsonl mlx-lm would go without: it trains on every example and validates
+                # none (as --data.val-fraction 0 does: nothing to say)
                 one = len(val) == 1
                 note = (f"{path}: no valid.jsonl: the last {len(val)} of {files.train.name}'s "
                         f"{len(examples)} examples {'validates' if one else 'validate'} and "
                         f"{'is' if one else 'are'} not trained on "
                         f"(--data.val-fraction {val_fraction}; mlx-lm trains on all "
-                        f"{len(examples)} and validates nothing)")
+                        f"{len(examples)} and validates nothing, as --data.val-fraction 0 "
+                        "does)")
         source = DataSource(str(files.train), None if val_path is None else str(val_path))
         return cls(train, val, source, note, files.test)
 

@@ -212,8 +212,9 @@ class Config(TrainConfig):
     """AdamW decoupled weight decay, on the trained arrays --weight-decay-scope names (default:
     matrices; all: also DoRA magnitudes, and a full fine-tune's norms and biases)."""
     optimizer: Literal["adamw", "adam", "sgd", "adafactor", "muon"] = "adamw"
-    """The optimizer (mlx-lm's --optimizer): adamw and adam take --beta1/--beta2 (adamw also
-    --weight-decay); sgd, adafactor and muon run with MLX's defaults."""
+    """The optimizer (mlx-lm's --optimizer): adamw and adam take --beta1/--beta2, --adam-eps and
+    --bias-correction (adamw also --weight-decay); sgd, adafactor and muon run with MLX's
+    defaults."""
     lr_schedule: Literal[("warmup-cosine", *SCHEDULES)] = "warmup-cosine"  # type: ignore[valid-type]
     """warmup-cosine: toymlx's (--warmup steps up to --lr, cosine down to --min-lr-ratio); any
     other is MLX's schedule of that name called with --lr-schedule-args, after --warmup steps
@@ -379,7 +380,8 @@ def make_optimizer(cfg: Config) -> optim.Optimizer:
     if cfg.optimizer == "adamw":
         return adamw(cfg, lr)
     if cfg.optimizer == "adam":
-        return Adam(learning_rate=lr, betas=[cfg.beta1, cfg.beta2], eps=1e-8)
+        return Adam(learning_rate=lr, betas=[cfg.beta1, cfg.beta2], eps=cfg.adam_eps,
+                    bias_correction=cfg.bias_correction)
     return {"sgd": optim.SGD, "adafactor": optim.Adafactor, "muon": optim.Muon}[cfg.optimizer](
         learning_rate=lr)
 

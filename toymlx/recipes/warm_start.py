@@ -174,7 +174,8 @@ def make_optimizer(cfg: Config):
     def gated(step):
         return mx.where(step >= k, sched(step), 0.0)
 
-    kw = {"betas": [cfg.beta1, cfg.beta2], "eps": 1e-8}
+    kw = {"betas": [cfg.beta1, cfg.beta2], "eps": cfg.adam_eps,
+          "bias_correction": cfg.bias_correction}
     groups = [AdamW(learning_rate=gated, weight_decay=cfg.weight_decay, **kw),
               AdamW(learning_rate=sched, weight_decay=cfg.weight_decay, **kw),
               AdamW(learning_rate=sched, weight_decay=0.0, **kw)]

@@ -56,6 +56,12 @@ class TrainingOptions:
     """AdamW first-moment decay."""
     beta2: float = 0.95
     """AdamW second-moment decay."""
+    adam_eps: float = 1e-8
+    """AdamW's (and the lora recipe's adam's) epsilon, added to the second moment's root (MLX's
+    default; mlx-lm's optimizer_config eps)."""
+    bias_correction: bool = False
+    """Divide AdamW's (and lora's adam's) moments by 1 - beta^step (off: MLX's default, as
+    mlx-lm trains unless its optimizer_config sets bias_correction)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 turns clipping off)."""
     eval_batches: int = 8
@@ -152,6 +158,7 @@ def check_config(module: ModuleType, cfg: TrainConfig, new_run: bool = False,
         ("--weight-decay", cfg.weight_decay >= 0, ">= 0", cfg.weight_decay),
         ("--beta1", 0 <= cfg.beta1 < 1, "in [0, 1)", cfg.beta1),
         ("--beta2", 0 <= cfg.beta2 < 1, "in [0, 1)", cfg.beta2),
+        ("--adam-eps", cfg.adam_eps > 0, "> 0", cfg.adam_eps),
         ("--grad-clip", cfg.grad_clip >= 0, ">= 0", cfg.grad_clip),
         ("--eval-every", cfg.eval_every >= 0, ">= 0", cfg.eval_every),
         ("--report-every", cfg.report_every >= 0, ">= 0 (0: no report lines)", cfg.report_every),
@@ -300,7 +307,8 @@ def make_optimizer(cfg: TrainConfig, lr: Callable[[Any], Any] | None = None) -> 
     (default: warm-up + cosine, `lr_at`)."""
     sched = lr or partial(lr_at, base_lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps,
                           min_ratio=cfg.min_lr_ratio)
-    kw = {"learning_rate": sched, "betas": [cfg.beta1, cfg.beta2], "eps": 1e-8}
+    kw = {"learning_rate": sched, "betas": [cfg.beta1, cfg.beta2], "eps": cfg.adam_eps,
+          "bias_correction": cfg.bias_correction}
     decay = AdamW(weight_decay=cfg.weight_decay, **kw)
     no_decay = AdamW(weight_decay=0.0, **kw)
     return optim.MultiOptimizer([decay, no_decay], [decayed(cfg)])
