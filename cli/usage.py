@@ -338,6 +338,46 @@ TIMM_FLAGS: PeerFlags = {
                       "weights to start from")),),
     "--num-classes": (("model.preset", ("the classes are the data's (class folders, or the "
                        "labels)")),),
+    # flags whose closest spelling is another idea (--drop: --model.drop-path, --channels-last:
+    # --data.channels, --model-ema: --model.n-heads, --initial-checkpoint: --grad-checkpoint)
+    "--drop": (("model.drop_path", ("timm's --drop (dropout) has no counterpart here; the "
+                "regularizer is --model.drop-path (timm's --drop-path)")),),
+    "--channels-last": (("data.channels", ("timm's --channels-last (PyTorch's memory layout) "
+                         "has no counterpart here; --data.channels is the images' channel "
+                         "count (1 or 3)")),),
+    "--model-ema": (("model.preset", ("timm's --model-ema has no counterpart here (no weight "
+                     "averaging): each checkpoint holds the trained weights")),),
+    "--initial-checkpoint": (("model.preset", ("timm's --initial-checkpoint has no counterpart "
+                              "here: vit-tiny starts from random init (--resume RUN goes on "
+                              "with a run of toymlx's)")),),
+    "--eval-metric": (("keep_best", ("timm's --eval-metric has no counterpart here: --keep-best "
+                       "N keeps the N checkpoints of lowest val_loss")),),
+    "--checkpoint-hist": (("keep_last", ("timm's --checkpoint-hist is --keep-last here "
+                           "(--keep-best N: the N of lowest val_loss)")),),
+    "--ratio": (("data.crop_scale", ("timm's --ratio has no counterpart here: --data.crop "
+                 "resized draws the aspect ratio in timm's default range, 3/4 to 4/3")),),
+    "--warmup-lr": (("warmup", ("timm's --warmup-lr has no counterpart here: the warm-up rises "
+                     "linearly from --lr / --warmup to --lr")),),
+    "--lr-base": (("lr", ("timm's --lr-base has no counterpart here: --lr is the peak rate as "
+                   "given, not scaled by --batch-size / 256")),),
+    "--log-interval": (("report_every", "timm's --log-interval is --report-every here"),),
+    "--dataset": (("data.path", ("timm's --dataset is --data.path here (class folders, CIFAR's "
+                   "python batches, MNIST's IDX files or a .npz; no torch/ or hfds/ names)")),),
+    **dict.fromkeys(("--train-split", "--val-split"), (
+        ("data.val_path", ("timm's --train-split and --val-split are the folders train/ and "
+                           "val/ (or validation/) under --data.path here, or --data.path TRAIN "
+                           "--data.val-path VAL")),)),
+    "--class-map": (("data.path", ("timm's --class-map has no counterpart here: the classes "
+                     "are the class folders in sorted order (toymlx-export writes "
+                     "class_map.txt for timm)")),),
+    **dict.fromkeys(("--mean", "--std"), (
+        ("data.image_size", ("timm's --mean and --std have no counterpart here: each channel is "
+                             "standardised by the training split's own mean and std (in the "
+                             "checkpoint)")),)),
+    "--interpolation": (("data.image_size", ("timm's --interpolation has no counterpart here: "
+                         "images are resized bicubic, as timm's vit_tiny_patch16_224")),),
+    "--crop-pct": (("data.image_size", ("timm's --crop-pct has no counterpart here: the shorter "
+                    "side is resized to --data.image-size and centre-cropped (crop_pct 1.0)")),),
 }
 """timm's train.py flags."""
 
@@ -412,10 +452,12 @@ HF_FLAGS: PeerFlags = {
 as toymlx's option (seed, weight_decay, report_to) needs none, mlx-lm's (learning_rate,
 max_seq_length) is said by `mlx_lm_hint`."""
 
-PEER_VALUES = {"--input-size": 3, "--scale": 2, "--lora-scaled": 2}
+PEER_VALUES = {"--input-size": 3, "--scale": 2, "--ratio": 2, "--mean": 3, "--std": 3,
+               "--lora-scaled": 2}
 """How many values those of the peers' flags that take more than one take (timm's
-`--input-size 3 32 32`, or `--input-size=3 32 32`, its `=` value the first; llama.cpp's
-`--lora-scaled FILE S`): each is the flag's own, not a value no option takes."""
+`--input-size 3 32 32`, or `--input-size=3 32 32`, its `=` value the first; its `--mean` and
+`--std` of three channels; llama.cpp's `--lora-scaled FILE S`): each is the flag's own, not a
+value no option takes."""
 
 
 LAUNCHER_FLAGS: PeerFlags = {

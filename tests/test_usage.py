@@ -628,6 +628,62 @@ VIT = "toymlx-train --recipe vit-tiny"
         "takes (after --steps 3)")),
     (["--stpes", "3"], (f"--stpes: expected an option of {VIT}, got an unknown one; did you mean "
                        "--steps?")),
+    # timm's flags whose closest spelling is another idea (before: --drop "did you mean
+    # --model.drop-path?", --channels-last "--data.channels?", --model-ema "--model.n-heads?",
+    # --initial-checkpoint "--grad-checkpoint?", --eval-metric "--eval-every?", --ratio
+    # "--min-lr-ratio?"), or that had no hint (--mean's three values each named as a stray)
+    (["--drop", "0.1"], (f"--drop: expected an option of {VIT}, got an unknown one; timm's --drop "
+                         "(dropout) has no counterpart here; the regularizer is --model.drop-path "
+                         "(timm's --drop-path)")),
+    (["--channels-last"], (f"--channels-last: expected an option of {VIT}, got an unknown one; "
+                           "timm's --channels-last (PyTorch's memory layout) has no counterpart "
+                           "here; --data.channels is the images' channel count (1 or 3)")),
+    (["--model-ema"], (f"--model-ema: expected an option of {VIT}, got an unknown one; timm's "
+                       "--model-ema has no counterpart here (no weight averaging): each "
+                       "checkpoint holds the trained weights")),
+    (["--initial-checkpoint", "x.pth"], (
+        f"--initial-checkpoint: expected an option of {VIT}, got an unknown one; timm's "
+        "--initial-checkpoint has no counterpart here: vit-tiny starts from random init "
+        "(--resume RUN goes on with a run of toymlx's)")),
+    (["--eval-metric", "top1"], (f"--eval-metric: expected an option of {VIT}, got an unknown "
+                                 "one; timm's --eval-metric has no counterpart here: --keep-best "
+                                 "N keeps the N checkpoints of lowest val_loss")),
+    (["--checkpoint-hist", "3"], (f"--checkpoint-hist: expected an option of {VIT}, got an "
+                                  "unknown one; timm's --checkpoint-hist is --keep-last here "
+                                  "(--keep-best N: the N of lowest val_loss)")),
+    (["--ratio", "0.75", "1.33"], (
+        f"--ratio: expected an option of {VIT}, got an unknown one; timm's --ratio has no "
+        "counterpart here: --data.crop resized draws the aspect ratio in timm's default range, "
+        "3/4 to 4/3")),
+    (["--warmup-lr", "1e-6"], (f"--warmup-lr: expected an option of {VIT}, got an unknown one; "
+                               "timm's --warmup-lr has no counterpart here: the warm-up rises "
+                               "linearly from --lr / --warmup to --lr")),
+    (["--lr-base", "5e-4"], (f"--lr-base: expected an option of {VIT}, got an unknown one; "
+                             "timm's --lr-base has no counterpart here: --lr is the peak rate as "
+                             "given, not scaled by --batch-size / 256")),
+    (["--log-interval", "5"], (f"--log-interval: expected an option of {VIT}, got an unknown "
+                               "one; timm's --log-interval is --report-every here")),
+    (["--val-split", "validation"], (
+        f"--val-split: expected an option of {VIT}, got an unknown one; timm's --train-split and "
+        "--val-split are the folders train/ and val/ (or validation/) under --data.path here, or "
+        "--data.path TRAIN --data.val-path VAL")),
+    (["--class-map", "m.txt"], (f"--class-map: expected an option of {VIT}, got an unknown one; "
+                                "timm's --class-map has no counterpart here: the classes are the "
+                                "class folders in sorted order (toymlx-export writes "
+                                "class_map.txt for timm)")),
+    (["--mean", "0.5", "0.5", "0.5", "--std", "0.2", "0.2", "0.2"], (
+        f"--mean: expected an option of {VIT}, got an unknown one; timm's --mean and --std have "
+        "no counterpart here: each channel is standardised by the training split's own mean and "
+        f"std (in the checkpoint); --std: expected an option of {VIT}, got an unknown one; timm's "
+        "--mean and --std have no counterpart here: each channel is standardised by the training "
+        "split's own mean and std (in the checkpoint)")),
+    (["--interpolation", "bilinear"], (
+        f"--interpolation: expected an option of {VIT}, got an unknown one; timm's "
+        "--interpolation has no counterpart here: images are resized bicubic, as timm's "
+        "vit_tiny_patch16_224")),
+    (["--crop-pct", "0.9"], (f"--crop-pct: expected an option of {VIT}, got an unknown one; "
+                             "timm's --crop-pct has no counterpart here: the shorter side is "
+                             "resized to --data.image-size and centre-cropped (crop_pct 1.0)")),
 ])
 def test_timm_s_flags_are_named_with_toymlx_s(capsys, tmp_path, monkeypatch, args, want):
     monkeypatch.chdir(tmp_path)
@@ -677,8 +733,9 @@ def test_timm_s_flags_are_named_with_toymlx_s(capsys, tmp_path, monkeypatch, arg
     # and --bias "its Llama")
     ("from-scratch", "--dataset", ("nanoGPT's dataset is toymlx's --data.path (a text file, not "
      "prepare.py's .bin)")),
-    ("vit-tiny", "--dataset", ("nanoGPT's dataset is toymlx's --data.path (images here: class "
-     "folders, MNIST's IDX files or a .npz)")),
+    # timm's --dataset where the recipe trains images (before: nanoGPT's, without CIFAR)
+    ("vit-tiny", "--dataset", ("timm's --dataset is --data.path here (class folders, CIFAR's "
+     "python batches, MNIST's IDX files or a .npz; no torch/ or hfds/ names)")),
     ("from-scratch", "--dropout", ("nanoGPT's dropout has no toymlx option (its Llama has no "
      "dropout)")),
     ("vit-tiny", "--dropout", ("nanoGPT's dropout has no toymlx option (vit-tiny's regularizer "
