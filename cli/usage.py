@@ -108,7 +108,10 @@ def _one_line(event: Any, cls: type, argv: list[str]) -> str | None:
         choices = _choices(arg.field.type) or list(event.choices)
         # an optional choice's None is "unset", its default, not a value anyone types
         choices = [c for c in choices if c != "None"] or choices
-        return f"{flag}: expected one of {', '.join(choices)}, got {event.value!r}"
+        from toymlx.backend.device import torch_device_hint
+
+        return (f"{flag}: expected one of {', '.join(choices)}, got {event.value!r}"
+                + (torch_device_hint(event.value) if flag == "--device" else ""))
     if kind == "BadValue" and event.reason == "fixed":
         return (f"{flag}: expected no value (it is fixed to {arg.field.default!r}), got "
                 f"{event.offending_value!r}")

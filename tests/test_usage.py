@@ -805,3 +805,42 @@ def test_a_wide_terminal_keeps_its_width(monkeypatch, capsys):
     for columns, width in ((20, 80), (120, 120)):
         out = help_text(monkeypatch, capsys, "eval", ["--help"], columns)
         assert max(len(line) for line in out.splitlines() if "-c/--config" not in line) == width
+
+
+TORCH_GPU = "is gpu here: MLX's GPU, Metal on a Mac, CUDA elsewhere"
+
+
+@pytest.mark.parametrize("module,args,want", [
+    # PyTorch's device names, as nanoGPT's device='cuda' (or a Mac's 'mps') is typed (before:
+    # "expected one of auto, gpu, cpu" alone, not saying which of them cuda is)
+    ("train", ["--recipe", "from-scratch", "--device", "cuda"], (
+        f"--device: expected one of auto, gpu, cpu, got 'cuda'; PyTorch's cuda (nanoGPT's "
+        f"device) {TORCH_GPU}")),
+    ("train", ["--recipe", "vit-tiny", "--device=cuda:1"], (
+        f"--device: expected one of auto, gpu, cpu, got 'cuda:1'; PyTorch's cuda:1 (nanoGPT's "
+        f"device) {TORCH_GPU}")),
+    ("generate", ["--model", "m.gguf", "--device", "mps"], (
+        f"--device: expected one of auto, cpu, gpu, got 'mps'; PyTorch's mps (nanoGPT's device) "
+        f"{TORCH_GPU}")),
+    ("train", ["--recipe", "from-scratch", "--device", "tpu"],
+     "--device: expected one of auto, gpu, cpu, got 'tpu'"),
+])
+def test_pytorch_s_gpu_device_names_are_toymlx_s_gpu(capsys, tmp_path, monkeypatch, module,
+                                                     args, want):
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    assert importlib.import_module(f"toymlx_cli.{module}").main(args) == 2
+    assert only_line(capsys) == f"toymlx-{module}: error: {want}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pytorch_s_gpu_device_name_in_a_config_file_is_toymlx_s_gpu(capsys, tmp_path):
+    """nanoGPT's config key `device: cuda` in a -c file: the same hint, before the file's fix."""
+    conf = tmp_path / "c.yaml"
+    conf.write_text("device: cuda\n")
+    assert main(["--recipe", "from-scratch", "-c", str(conf)]) == 2
+    assert only_line(capsys) == (
+        f"toymlx-train: error: {conf}: key 'device': expected one of \"auto\", \"gpu\", \"cpu\", "
+        f"found \"cuda\" (a string); PyTorch's cuda (nanoGPT's device) {TORCH_GPU}; fix it, or "
+        "remove the key to take its default")
