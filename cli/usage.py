@@ -308,6 +308,17 @@ NANOGPT_FLAGS: PeerFlags = {
 }
 """nanoGPT's train.py and sample.py settings (`--block_size=64`), by name."""
 
+NANOGPT_SAMPLE_FLAGS: PeerFlags = {
+    "dtype": (("max_tokens", ("nanoGPT's dtype has no toymlx-generate option: it holds the "
+                              "model's weights as float32 on a CPU where memory allows, else as "
+                              "the file's blocks")),),
+    "compile": (("max_tokens", ("nanoGPT's compile has no toymlx-generate option: on a CPU its "
+                                "one-token steps are traced with mx.compile already")),),
+}
+"""sample.py's settings that toymlx-train has as options (--dtype, --compile) and
+toymlx-generate chooses itself (sample.py's `--dtype=float32` said only "got an unknown one");
+said only to toymlx-generate, never as "not an option of" another command."""
+
 TIMM_FLAGS: PeerFlags = {
     "--data-dir": (("data.path", ("timm's --data-dir is --data.path here (class subfolders, or "
                     "train/ and val/ of them)")),),
@@ -533,7 +544,8 @@ def flag_hint(flag: str, flags: dict[str, bool], prog: str) -> str | None:
     tables = ((RECIPE_FLAGS, spelt), (LLAMA_CPP_FLAGS, spelt), (LAUNCHER_FLAGS, spelt),
               (OPTIMIZER_FLAGS, spelt),
               *(((TIMM_FLAGS, spelt),) if images else ()),
-              *(((HF_FLAGS, name),) if "base" in flags else ()), (NANOGPT_FLAGS, name))
+              *(((HF_FLAGS, name),) if "base" in flags else ()), (NANOGPT_FLAGS, name),
+              (NANOGPT_SAMPLE_FLAGS, name))
     for table, key in tables:
         if said := peer_hint(table, key, flags):
             return said
@@ -546,13 +558,26 @@ def flag_hint(flag: str, flags: dict[str, bool], prog: str) -> str | None:
     return f"did you mean {close}?" if close else None
 
 
+def _takes_positionals(cls: type) -> bool:
+    """Whether `cls` has a positional field (toymlx-classify's images)."""
+    import tyro
+
+    return any(tyro.conf.Positional in typing.get_args(tp)
+               for tp in typing.get_type_hints(cls, include_extras=True).values())
+
+
 def _unrecognized(tokens: list[str], cls: type, argv: list[str], prog: str) -> str:
     """tyro's unrecognized tokens as one line: each unknown option with the closest flag of
-    `cls`; a value no option takes with the option before it (a flag that takes no value)."""
+    `cls`; a value no option takes with the option before it (a flag that takes no value).
+    Where `cls` takes positionals, tyro hands back every token after an unknown option, the
+    positionals among them (`--topk 2 a.png`): no value is named there, an image being one."""
     flags = _flags(cls)
+    positionals = _takes_positionals(cls)
     parts, at, owed = [], 0, 0
     for token in tokens:
         flag, eq, value = token.partition("=")
+        if positionals and not (flag.startswith("-") and flag != "-" and not _is_number(flag)):
+            continue
         if flag.startswith("--") or (flag.startswith("-") and not _is_number(flag)):
             hint = flag_hint(flag, flags, prog)
             parts.append(f"{flag}: expected an option of {prog}, got an unknown one"

@@ -844,3 +844,54 @@ def test_pytorch_s_gpu_device_name_in_a_config_file_is_toymlx_s_gpu(capsys, tmp_
         f"toymlx-train: error: {conf}: key 'device': expected one of \"auto\", \"gpu\", \"cpu\", "
         f"found \"cuda\" (a string); PyTorch's cuda (nanoGPT's device) {TORCH_GPU}; fix it, or "
         "remove the key to take its default")
+
+
+@pytest.mark.parametrize("args,want", [
+    # tyro hands back every token after an unknown option where the command takes positionals:
+    # the images were named as strays (before: "--topk: ... did you mean --top-k?; 'a.png':
+    # expected an option of toymlx-classify, got a value no option takes (after --topk 2)")
+    (["--model", "m", "--topk", "2", "a.png", "b.png"], (
+        "--topk: expected an option of toymlx-classify, got an unknown one; did you mean "
+        "--top-k?")),
+    (["--model", "m", "--dtype=float32", "a.png", "-"], (
+        "--dtype: expected an option of toymlx-classify, got an unknown one")),
+    # images before the unknown option, two unknown options: as before
+    (["--model", "m", "a.png", "--topk", "2", "--jsn"], (
+        "--topk: expected an option of toymlx-classify, got an unknown one; did you mean "
+        "--top-k?; --jsn: expected an option of toymlx-classify, got an unknown one; did you "
+        "mean --json?")),
+])
+def test_an_unknown_option_before_the_images_names_no_image_as_a_stray(capsys, tmp_path,
+                                                                       monkeypatch, args, want):
+    from toymlx_cli.classify import main as classify_main
+
+    monkeypatch.chdir(tmp_path)
+    assert classify_main(args) == 2
+    assert only_line(capsys) == f"toymlx-classify: error: {want}"
+
+
+@pytest.mark.parametrize("args,want", [
+    # sample.py's dtype and compile, toymlx-train's options, that toymlx-generate chooses itself
+    # (before: "got an unknown one" alone)
+    (["--dtype=float32"], (
+        "--dtype: expected an option of toymlx-generate, got an unknown one; nanoGPT's dtype "
+        "has no toymlx-generate option: it holds the model's weights as float32 on a CPU where "
+        "memory allows, else as the file's blocks")),
+    (["--compile=False"], (
+        "--compile: expected an option of toymlx-generate, got an unknown one; nanoGPT's "
+        "compile has no toymlx-generate option: on a CPU its one-token steps are traced with "
+        "mx.compile already")),
+])
+def test_sample_py_s_dtype_and_compile_are_named_to_generate(capsys, tmp_path, monkeypatch,
+                                                             args, want):
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.generate import main as generate_main
+
+    monkeypatch.chdir(tmp_path)
+    assert generate_main(["--model", "m.gguf", "--prompt", "x", *args]) == 2
+    assert only_line(capsys) == f"toymlx-generate: error: {want}"
+    # said to toymlx-generate alone: not "...; not an option of toymlx-eval"
+    flag = args[0].partition("=")[0]
+    assert eval_main(["--model", "m.gguf", *args]) == 2
+    assert only_line(capsys) == (
+        f"toymlx-eval: error: {flag}: expected an option of toymlx-eval, got an unknown one")
