@@ -179,6 +179,37 @@ def test_test_path_scored_at_the_end_as_eval_and_the_classifier_score_it(tmp_pat
     assert not (tmp_path / "runs" / "no").exists()
 
 
+def test_a_val_path_overlapping_the_training_images_is_refused_for_a_new_run(tmp_path, capsys):
+    """--data.val-path naming the training folder (or a class folder in it, or timm's train/)
+    trained on those images and scored them as held out, said nowhere; a saved run is not
+    refused (it goes on as it was started), as its config is checked again on --resume."""
+    from cli_errors import error_line
+
+    from toymlx.recipes import get_recipe
+    from toymlx.recipes.vit_tiny import Config, ImageData
+    from toymlx.training.task import check_config
+
+    root = make_image_folder(tmp_path / "d", per_class=3)
+    timm = tmp_path / "t"
+    make_image_folder(timm / "train", per_class=3)
+    make_image_folder(timm / "val", per_class=1, seed=3)
+    for data, val, over in ((root, root, root), (root, root / "cat", root),
+                            (timm, timm / "train", timm / "train")):
+        assert train_main(["--recipe", "vit-tiny", *TINY, "--data.path", str(data),
+                           "--data.val-path", str(val), "--runs-root", str(tmp_path / "runs"),
+                           "--run-id", "r"]) == 2
+        assert error_line(capsys) == (
+            "toymlx-train: error: --data.val-path: expected images apart from --data.path (a "
+            f"validation set is never trained on), found {val}, which overlaps {over}")
+    assert not (tmp_path / "runs").exists()
+    saved = Config(data=ImageData(path=str(root), val_path=str(root)))
+    check_config(get_recipe("vit-tiny"), saved)  # a saved run's: taken
+    with pytest.raises(ValueError, match="^--data.val-path: expected images apart"):
+        check_config(get_recipe("vit-tiny"), saved, new_run=True)
+    # timm's val/ named again, apart from train/: trained
+    _train(tmp_path, "ok", timm, "--data.val-path", str(timm / "val"), "--steps", "1")
+
+
 def test_a_val_fraction_out_of_range_names_the_flag(tmp_path, capsys):
     """vit-tiny --data.val-fraction 1 said "val_fraction: expected a value in [0, 1)", the
     loader's argument, not the flag (lora's says --data.val-fraction)."""

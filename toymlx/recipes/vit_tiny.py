@@ -11,6 +11,7 @@ follows the image and set size (`augment_for`) unless a `--data.*` flag says oth
 from __future__ import annotations
 
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -214,15 +215,35 @@ def validate(cfg: Config) -> None:
                          "none (a CIFAR or MNIST folder as --data.path validates on its official "
                          "test set at every eval already)")
     if d.test_path is not None:
-        test = Path(d.test_path).resolve()
-        split = split_folders(d.path) if d.path is not None else None
-        trained = str(split["train"]) if split else d.path  # timm's layout: its train/
-        for flag, other in (("--data.path", trained), ("--data.val-path", d.val_path)):
-            if other is not None and (test.is_relative_to(Path(other).resolve())
-                                      or Path(other).resolve().is_relative_to(test)):
-                raise ValueError(f"--data.test-path: expected images apart from {flag} (a test "
-                                 f"set is never trained or validated on), found {d.test_path}, "
-                                 f"which overlaps {other}")
+        for flag, other in (("--data.path", _trained(d)), ("--data.val-path", d.val_path)):
+            _apart("--data.test-path", d.test_path, flag, other, "a test set is never trained or "
+                   "validated on")
+
+
+def check_applies(cfg: Config, given: Collection[str] = ()) -> None:
+    """A new run's options that `validate` cannot refuse in a saved run, which goes on as it
+    was started: a --data.val-path overlapping the training images (a run started so before
+    toymlx refused it still resumes)."""
+    if cfg.data.val_path is not None:
+        _apart("--data.val-path", cfg.data.val_path, "--data.path", _trained(cfg.data),
+               "a validation set is never trained on")
+
+
+def _trained(d: ImageData) -> str | None:
+    """The folder or file the run trains on: timm's layout's train/, else --data.path."""
+    split = split_folders(d.path) if d.path is not None else None
+    return str(split["train"]) if split else d.path
+
+
+def _apart(which: str, held: str, flag: str, other: str | None, never: str) -> None:
+    """ValueError where the held-out set `held` (--data.val-path, --data.test-path) lies in
+    `other` (the training images) or holds it: its score would be of images trained on."""
+    if other is None:
+        return
+    inside, outside = Path(held).resolve(), Path(other).resolve()
+    if inside.is_relative_to(outside) or outside.is_relative_to(inside):
+        raise ValueError(f"{which}: expected images apart from {flag} ({never}), found {held}, "
+                         f"which overlaps {other}")
 
 
 def auto_patch(side: int) -> int:
