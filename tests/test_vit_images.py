@@ -210,6 +210,21 @@ def test_a_val_path_overlapping_the_training_images_is_refused_for_a_new_run(tmp
     _train(tmp_path, "ok", timm, "--data.val-path", str(timm / "val"), "--steps", "1")
 
 
+def test_a_folder_of_images_without_class_folders_says_so(tmp_path, capsys):
+    """One class's folder given as --data.path said "no images found" of a folder of images."""
+    from cli_errors import error_line
+
+    root = make_image_folder(tmp_path / "d", per_class=3)
+    assert train_main(["--recipe", "vit-tiny", *TINY, "--data.path", str(root / "cat"),
+                       "--runs-root", str(tmp_path / "runs")]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {root / 'cat'}: 3 images and no class subfolders: expected "
+        "class subfolders of image files (ImageFolder: an image's class is its folder's name); "
+        f"give the folder that holds the class folders (as {root} holds cat/), or put each "
+        "class's images in a subfolder named for it")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_val_fraction_out_of_range_names_the_flag(tmp_path, capsys):
     """vit-tiny --data.val-fraction 1 said "val_fraction: expected a value in [0, 1)", the
     loader's argument, not the flag (lora's says --data.val-fraction)."""

@@ -213,6 +213,14 @@ def _load_arrays(p: Path) -> Raw:
         if train or test:
             x, y = load_idx(train or test)
             return Raw(x, y, str(train or test), scale=_pixel_scale(x))
+        loose = sum(1 for f in p.iterdir() if not f.name.startswith(".")
+                    and f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file())
+        if loose:  # one class's folder, or a flat folder of unlabelled images
+            raise ImageDataError(
+                f"{p}: {counted(loose, 'image')} and no class subfolders: expected class "
+                "subfolders of image files (ImageFolder: an image's class is its folder's "
+                f"name); give the folder that holds the class folders (as {p.parent} holds "
+                f"{p.name}/), or put each class's images in a subfolder named for it")
         raise ImageDataError(f"{p}: no images found: expected class subfolders of image files "
                              "(ImageFolder), CIFAR python batches, or IDX files "
                              "(train-/t10k-images-idx3-ubyte[.gz] with their labels)")
