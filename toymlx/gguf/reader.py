@@ -38,6 +38,12 @@ def not_gguf_kind(head: bytes, size: int) -> str:
     header length, then its JSON) with the converter that makes a GGUF of them, or text (a
     data file given where a model goes)."""
     n = int.from_bytes(head[:8], "little") if len(head) >= 9 else 0
+    if 2 <= n <= size - 8 and head[8:9] == b"{" and any(
+            k in head[:n + 8] for k in (b'"timm_architecture"', b'"label_names"')):
+        # toymlx-export --format safetensors's, for timm (convert_hf_to_gguf.py takes no ViT):
+        # its metadata's keys in order, a long label_names before timm_architecture
+        return (": timm safetensors weights, as toymlx-export --format safetensors writes "
+                "from a run; toymlx reads the run, or a GGUF of its weights/")
     if 2 <= n <= size - 8 and head[8:9] == b"{":
         return (": Hugging Face safetensors weights; llama.cpp's convert_hf_to_gguf.py makes "
                 "a GGUF of the model's folder")
