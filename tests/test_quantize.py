@@ -667,3 +667,54 @@ def test_a_full_disk_at_llama_cpp_s_f32_input_says_which_file_takes_the_room(tmp
         f"beside it first, and the q8_0 file then needs room beside it: '{out}'); nothing was "
         "written under this name")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_matrices_left_unquantized_for_their_rows_are_named(tmp_path):
+    """llama-quantize keeps a matrix whose rows are not a multiple of 32 in F16 (a from-scratch
+    model 48 wide: `--dtype q4_k_m` wrote 7 of 8 matrices F16 under file type Q4_K_M), said
+    only in its log: the export now says how many, their rows and what quantizes them. A
+    quantized matrix, a float one of whole blocks (a router kept F32) and 1-D norms are not
+    counted."""
+    from toymlx.gguf.quantize import unquantized_note
+    from toymlx.gguf.writer import QuantTensor, write_gguf
+
+    rng = np.random.default_rng(0)
+    w64 = rng.standard_normal((8, 64)).astype(np.float32)
+    path = write_gguf(tmp_path / "m.gguf", {"general.architecture": "llama"}, {
+        "blk.0.attn_q.weight": rng.standard_normal((48, 48)).astype(np.float16),
+        "blk.0.ffn_down.weight": rng.standard_normal((48, 80)).astype(np.float16),
+        "blk.0.ffn_gate_inp.weight": w64,
+        "blk.0.ffn_up.weight": QuantTensor(GGMLQuantizationType.Q8_0,
+                                           quantize(w64, GGMLQuantizationType.Q8_0), (8, 64)),
+        "blk.0.attn_norm.weight": np.ones(48, np.float32)})
+    assert unquantized_note(path, "q4_k_m") == (
+        "2 of its 4 matrices stay F16, not q4_k_m: their rows (48, 80 values) are not a multiple "
+        "of the 32 a quantized block holds; a model whose widths (--model.d-model, "
+        "--model.ffn-dim) are multiples of 32 (256 for k-quants) quantizes them all")
+    assert unquantized_note(path, "f16") is None  # asked for floats: nothing to say
+
+
+@pytest.mark.interop
+def test_an_export_quantized_where_rows_do_not_fit_a_block_says_so(tmp_path, capsys):
+    """toymlx-export --dtype q4_k_m of a model 48 wide: the file says Q4_K_M, its matrices are
+    F16 (llama.cpp's fallback); the warning line after the wrote line names them."""
+    from toymlx_cli.export import main as export_main
+
+    mx.random.seed(5)
+    base = tmp_path / "w48.gguf"
+    write_llama(base, Llama(tiny(d_model=48, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                                 context=64)), byte_tokenizer().to_metadata(), name="w48")
+    out = tmp_path / "q.gguf"
+    assert export_main(["--base", str(base), "--out", str(out), "--dtype", "q4_k_m"]) == 0
+    g = GGUFFile(out)
+    assert g.metadata["general.file_type"] == int(file_type("q4_k_m"))
+    floats = sorted(n for n, t in g.tensors.items()
+                    if len(t.shape) == 2 and t.type == GGMLQuantizationType.F16)
+    mats = [n for n, t in g.tensors.items() if len(t.shape) == 2]
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == (
+        f"toymlx-export: warning: {out}: {len(floats)} of its {len(mats)} matrices stay F16, not "
+        "q4_k_m: their rows (48 values) are not a multiple of the 32 a quantized block holds; a "
+        "model whose widths (--model.d-model, --model.ffn-dim) are multiples of 32 (256 for "
+        "k-quants) quantizes them all")
+    assert len(floats) >= len(mats) - 1  # ffn_down's rows (96) are whole blocks

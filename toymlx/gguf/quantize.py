@@ -110,6 +110,32 @@ def export_type(g: GGUFFile) -> str:
     return own_type(g, BASE_FILE_TYPE if BASE_FILE_TYPE in g.metadata else "general.file_type")
 
 
+FLOAT_TENSOR_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                      GGMLQuantizationType.BF16)
+BLOCK = 32
+"""The fewest values any quantized type's block holds (Q8_0, Q4_0, ...; the k-quants 256)."""
+
+
+def unquantized_note(path: str | os.PathLike, dtype: str) -> str | None:
+    """For a file written in a quantized `dtype`: the matrices left in a float type because
+    their rows are not a multiple of `BLOCK` (llama-quantize's fallback of last resort, F16,
+    said only in its log; gguf-py's writer refuses them), which the file's `dtype` then names
+    but does not hold, as one line; None where every matrix is quantized or `dtype` is a
+    float type."""
+    if dtype in ("f32", "f16", "bf16"):
+        return None
+    mats = [t for t in GGUFFile(path).tensors.values() if len(t.shape) == 2]
+    left = [t for t in mats if t.type in FLOAT_TENSOR_TYPES and t.shape[-1] % BLOCK]
+    if not left:
+        return None
+    kinds = sorted({t.type.name for t in left})
+    rows = sorted({t.shape[-1] for t in left})
+    return (f"{len(left)} of its {len(mats)} matrices stay {'/'.join(kinds)}, not {dtype}: their "
+            f"rows ({', '.join(map(str, rows))} values) are not a multiple of the {BLOCK} a "
+            "quantized block holds; a model whose widths (--model.d-model, --model.ffn-dim) "
+            "are multiples of 32 (256 for k-quants) quantizes them all")
+
+
 def llama_cpp_module() -> Any | None:
     """llama-cpp-python, if installed (it carries llama.cpp's quantizer), else None."""
     try:
