@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import types
 import typing
 from collections.abc import Container, Sequence
@@ -110,8 +111,9 @@ def _one_line(event: Any, cls: type, argv: list[str]) -> str | None:
         choices = [c for c in choices if c != "None"] or choices
         from toymlx.backend.device import torch_device_hint
 
+        hint = {"--device": torch_device_hint, "--model.preset": timm_vit_hint}.get(flag)
         return (f"{flag}: expected one of {', '.join(choices)}, got {event.value!r}"
-                + (torch_device_hint(event.value) if flag == "--device" else ""))
+                + (hint(event.value) if hint else ""))
     if kind == "BadValue" and event.reason == "fixed":
         return (f"{flag}: expected no value (it is fixed to {arg.field.default!r}), got "
                 f"{event.offending_value!r}")
@@ -127,6 +129,26 @@ def _one_line(event: Any, cls: type, argv: list[str]) -> str | None:
     if _expected(arg.field.type) is None:  # a type toymlx has no words for: tyro's reason
         return f"{flag}: {' '.join(event.message.split())} (got {given!r})"
     return f"{flag}: expected {expected}, got {given!r}"
+
+
+TIMM_VIT_SIZES = {"tiny": (192, 3, 12), "small": (384, 6, 12), "base": (768, 12, 12),
+                  "large": (1024, 16, 24)}
+"""timm's ViTs by name: width, heads, blocks (each with an MLP 4 x the width)."""
+
+
+def timm_vit_hint(value: object) -> str:
+    """After a --model.preset value refused: timm's ViT name (`vit_small_patch16_224`) as
+    vit-tiny's options ("; timm's vit_tiny_patch16_224 is vit-tiny here"); "" for another."""
+    m = re.fullmatch(r"(?:timm/)?vit_(tiny|small|base|large)_patch(\d+)_(\d+)(?:\.\w+)?",
+                     str(value))
+    if not m:
+        return ""
+    (d, heads, layers), patch, size = TIMM_VIT_SIZES[m[1]], int(m[2]), int(m[3])
+    if (m[1], patch, size) == ("tiny", 16, 224):
+        return f"; timm's {value} is vit-tiny here"
+    return (f"; timm's {value} is vit-tiny's ViT at its size here: --model.d-model {d} "
+            f"--model.n-heads {heads} --model.n-layers {layers} --model.ffn-dim {4 * d} "
+            f"--model.patch-size {patch} --data.image-size {size}")
 
 
 _KINDS = {int: ("an integer", "integers"), float: ("a number", "numbers"),

@@ -895,3 +895,26 @@ def test_sample_py_s_dtype_and_compile_are_named_to_generate(capsys, tmp_path, m
     assert eval_main(["--model", "m.gguf", *args]) == 2
     assert only_line(capsys) == (
         f"toymlx-eval: error: {flag}: expected an option of toymlx-eval, got an unknown one")
+
+
+@pytest.mark.parametrize("value,want", [
+    # timm's model names as the preset (before: the choices alone, no word of timm's)
+    ("vit_tiny_patch16_224", "; timm's vit_tiny_patch16_224 is vit-tiny here"),
+    ("vit_small_patch16_224", (
+        "; timm's vit_small_patch16_224 is vit-tiny's ViT at its size here: --model.d-model 384 "
+        "--model.n-heads 6 --model.n-layers 12 --model.ffn-dim 1536 --model.patch-size 16 "
+        "--data.image-size 224")),
+    ("timm/vit_base_patch32_384.augreg_in21k", (
+        "; timm's timm/vit_base_patch32_384.augreg_in21k is vit-tiny's ViT at its size here: "
+        "--model.d-model 768 --model.n-heads 12 --model.n-layers 12 --model.ffn-dim 3072 "
+        "--model.patch-size 32 --data.image-size 384")),
+    ("vit-small", ""),
+])
+def test_timm_s_model_names_as_the_preset_say_vit_tiny_s_options(capsys, tmp_path, monkeypatch,
+                                                                  value, want):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--recipe", "vit-tiny", "--model.preset", value]) == 2
+    assert only_line(capsys) == (
+        "toymlx-train: error: --model.preset: expected one of auto, vit-tiny, vit-tiny-28, "
+        f"vit-tiny-8, got {value!r}{want}")
+    assert list(tmp_path.iterdir()) == []
