@@ -410,6 +410,26 @@ def test_a_resume_of_a_checkpoint_file_names_the_run_and_its_from(runs, capsys):
     assert _files(a) == before
 
 
+def test_a_run_s_optimizer_state_given_as_a_model_is_named_as_one(runs, capsys):
+    """A checkpoint's .state.safetensors (beside its .gguf) given to toymlx-generate or
+    toymlx-eval was "Hugging Face safetensors weights; llama.cpp's convert_hf_to_gguf.py makes
+    a GGUF of the model's folder": it is toymlx's own, and its step's .gguf the weights."""
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.generate import main as generate_main
+
+    a, _ = runs
+    state = a / "weights" / "step_2.state.safetensors"
+    assert state.is_file()
+    for prog, main, extra in (("toymlx-generate", generate_main, ["--prompt", "x"]),
+                              ("toymlx-eval", eval_main, [])):
+        assert main(["--model", str(state), *extra]) == 2
+        err = error_line(capsys, prog)
+        assert err.startswith(f"{prog}: error: {state}: magic: expected b'GGUF', found "), err
+        assert err.endswith("(not a GGUF file: a toymlx run's optimizer state, which --resume "
+                            "reads beside its checkpoint; the weights are the .gguf of the same "
+                            "step beside it)"), err
+
+
 def test_an_mlx_lm_model_folder_given_as_a_run_is_named_as_one(tmp_path, capsys):
     """mlx-lm's --model folder (config.json and model.safetensors) read as a run: generate said
     "found no checkpoint", eval, export and --resume "config.json: expected an object with
