@@ -718,3 +718,30 @@ def test_an_export_quantized_where_rows_do_not_fit_a_block_says_so(tmp_path, cap
         "model whose widths (--model.d-model, --model.ffn-dim) are multiples of 32 (256 for "
         "k-quants) quantizes them all")
     assert len(floats) >= len(mats) - 1  # ffn_down's rows (96) are whole blocks
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_fuse_at_end_quantized_where_rows_do_not_fit_a_block_says_so(tmp_path, capsys, kind):
+    """toymlx-train --fuse-at-end q8_0 on a base 48 wide: toymlx-export --dtype q8_0 warned that
+    llama.cpp left its matrices F16, the run's own export said nothing (the adapter's fused
+    file and a full fine-tune's alike); both now print the one warning after the file."""
+    from toymlx_cli.train import main as train_main
+
+    mx.random.seed(5)
+    base = tmp_path / "w48.gguf"
+    write_llama(base, Llama(tiny(d_model=48, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                                 context=64)), byte_tokenizer().to_metadata(), name="w48")
+    assert train_main(["--recipe", "lora", "--fine-tune-type", kind, "--base", str(base),
+                       "--runs-root", str(tmp_path), "--run-id", "r", "--steps", "1",
+                       "--batch-size", "2", "--seq-len", "32", "--warmup", "1",
+                       "--eval-every", "0", "--eval-batches", "1", "--no-progress",
+                       "--no-compile", "--fuse-at-end", "q8_0"]) == 0
+    out = tmp_path / "r" / "fused-q8_0.gguf"
+    mats = [t for t in GGUFFile(out).tensors.values() if len(t.shape) == 2]
+    left = [t for t in mats if t.type == GGMLQuantizationType.F16]
+    assert left and len(left) < len(mats)  # ffn_down's rows (96) are whole blocks
+    assert (f"toymlx: warning: {out}: {len(left)} of its {len(mats)} matrices stay F16, not "
+            "q8_0: their rows (48 values) are not a multiple of the 32 a quantized block holds; "
+            "a model whose widths (--model.d-model, --model.ffn-dim) are multiples of 32 (256 "
+            "for k-quants) quantizes them all") in capsys.readouterr().err.splitlines()
