@@ -690,7 +690,10 @@ def test_matrices_left_unquantized_for_their_rows_are_named(tmp_path):
     assert unquantized_note(path, "q4_k_m") == (
         "2 of its 4 matrices stay F16, not q4_k_m: their rows (48, 80 values) are not a multiple "
         "of the 32 a quantized block holds; a model whose widths (--model.d-model, "
-        "--model.ffn-dim) are multiples of 32 (256 for k-quants) quantizes them all")
+        "--model.ffn-dim) are multiples of 32 (256 for k-quants) quantizes them all; 1 of its 4 "
+        "matrices are quantized in a 32-value block type, not q4_k_m's 256-value Q4_K: their rows "
+        "(64 values) are not a multiple of 256, and llama.cpp's quantizer fell back (Q8_0: "
+        "blk.0.ffn_up.weight); widths that are multiples of 256 get q4_k_m's own blocks")
     assert unquantized_note(path, "f16") is None  # asked for floats: nothing to say
 
 
@@ -716,8 +719,11 @@ def test_an_export_quantized_where_rows_do_not_fit_a_block_says_so(tmp_path, cap
         f"toymlx-export: warning: {out}: {len(floats)} of its {len(mats)} matrices stay F16, not "
         "q4_k_m: their rows (48 values) are not a multiple of the 32 a quantized block holds; a "
         "model whose widths (--model.d-model, --model.ffn-dim) are multiples of 32 (256 for "
-        "k-quants) quantizes them all")
-    assert len(floats) >= len(mats) - 1  # ffn_down's rows (96) are whole blocks
+        "k-quants) quantizes them all; 1 of its 8 matrices are quantized in a 32-value block "
+        "type, not q4_k_m's 256-value Q4_K: their rows (96 values) are not a multiple of 256, "
+        "and llama.cpp's quantizer fell back (Q8_0: blk.0.ffn_down.weight); widths that are "
+        "multiples of 256 get q4_k_m's own blocks")
+    assert len(floats) == len(mats) - 1  # ffn_down's rows (96) are whole 32-value blocks
 
 
 @pytest.mark.interop
@@ -745,3 +751,58 @@ def test_fuse_at_end_quantized_where_rows_do_not_fit_a_block_says_so(tmp_path, c
             "q8_0: their rows (48 values) are not a multiple of the 32 a quantized block holds; "
             "a model whose widths (--model.d-model, --model.ffn-dim) are multiples of 32 (256 "
             "for k-quants) quantizes them all") in capsys.readouterr().err.splitlines()
+
+
+def test_k_quant_matrices_given_a_32_value_block_type_are_named(tmp_path):
+    """A k-quant's rows not a multiple of 256 get a 32-value block type from llama-quantize
+    (Q4_K_M: Q5_0 or Q8_0), said only in its log: the file was q4_k_m by name, no Q4_K in it,
+    and the export said nothing. The note names the tensors and the type each got (each
+    block's alike once, with their count); a Q4_K matrix 256 wide and q8_0 asked for are not
+    counted."""
+    from toymlx.gguf.quantize import block_type, unquantized_note
+    from toymlx.gguf.writer import QuantTensor, write_gguf
+
+    rng = np.random.default_rng(0)
+    w64 = rng.standard_normal((8, 64)).astype(np.float32)
+
+    def q(w: np.ndarray, t: GGMLQuantizationType) -> QuantTensor:
+        return QuantTensor(t, quantize(w, t), w.shape)
+
+    path = write_gguf(tmp_path / "m.gguf", {"general.architecture": "llama"}, {
+        "token_embd.weight": q(w64, GGMLQuantizationType.Q8_0),
+        "blk.0.attn_q.weight": q(w64, GGMLQuantizationType.Q5_0),
+        "blk.1.attn_q.weight": q(w64, GGMLQuantizationType.Q5_0),
+        "blk.0.ffn_down.weight": q(w64, GGMLQuantizationType.Q8_0),
+        "blk.0.ffn_up.weight": QuantTensor(GGMLQuantizationType.Q4_K,  # gguf-py encodes none
+                                           np.zeros((8, 144), np.uint8), (8, 256)),
+        "blk.0.attn_norm.weight": np.ones(64, np.float32)})
+    assert unquantized_note(path, "q4_k_m") == (
+        "4 of its 5 matrices are quantized in a 32-value block type, not q4_k_m's 256-value "
+        "Q4_K: their rows (64 values) are not a multiple of 256, and llama.cpp's quantizer fell "
+        "back (Q5_0: blk.*.attn_q.weight (2); Q8_0: token_embd.weight, blk.0.ffn_down.weight); "
+        "widths that are multiples of 256 get q4_k_m's own blocks")
+    assert unquantized_note(path, "q8_0") is None  # 32-value blocks were asked for
+    assert [block_type(t) for t in ("q4_k_m", "q6_k", "iq4_xs", "q3_k_l", "q8_0")] == [
+        GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.IQ4_XS,
+        GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q8_0]
+
+
+@pytest.mark.interop
+def test_an_export_to_a_k_quant_where_rows_do_not_fit_256_says_what_it_got(tmp_path, capsys):
+    """toymlx-export --dtype q4_k_m of the tiny model (64 wide, ffn 96): llama.cpp gives every
+    matrix Q5_0 or Q8_0; the warning after the wrote line names each with its type."""
+    from toymlx_cli.export import main as export_main
+
+    base = tiny_base(tmp_path / "tiny.gguf")
+    out = tmp_path / "q.gguf"
+    assert export_main(["--base", str(base), "--out", str(out), "--dtype", "q4_k_m"]) == 0
+    types = {n: t.type.name for n, t in GGUFFile(out).tensors.items() if len(t.shape) == 2}
+    assert set(types.values()) == {"Q5_0", "Q8_0"}
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"toymlx-export: warning: {out}: 15 of its 15 matrices are quantized in a 32-value block "
+        "type, not q4_k_m's 256-value Q4_K: their rows (64, 96 values) are not a multiple of "
+        "256, and llama.cpp's quantizer fell back (Q5_0: blk.*.attn_k.weight (2), "
+        "blk.*.attn_output.weight (2), blk.*.attn_q.weight (2), blk.0.attn_v.weight, "
+        "blk.0.ffn_down.weight, blk.*.ffn_gate.weight (2), blk.*.ffn_up.weight (2); Q8_0: "
+        "token_embd.weight, blk.1.attn_v.weight, blk.1.ffn_down.weight); widths that are "
+        "multiples of 256 get q4_k_m's own blocks")
