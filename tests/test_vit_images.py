@@ -210,6 +210,38 @@ def test_a_val_path_overlapping_the_training_images_is_refused_for_a_new_run(tmp
     _train(tmp_path, "ok", timm, "--data.val-path", str(timm / "val"), "--steps", "1")
 
 
+def test_held_out_files_inside_the_training_folder_but_not_trained_on_are_taken(tmp_path):
+    """The overlap checks compared paths: an MNIST folder's own t10k file (or a CIFAR folder's
+    test_batch) as --data.test-path or --data.val-path was refused as inside --data.path,
+    though the folder trains on its train-* files (data_batch_*) alone. They now compare the
+    files read: those are taken, a training file named is still refused."""
+    from image_files import fake_pair
+
+    from toymlx.recipes import get_recipe
+    from toymlx.recipes.vit_tiny import Config, ImageData
+    from toymlx.training.task import check_config
+
+    mnist = tmp_path / "mnist"
+    mnist.mkdir()
+    fake_pair(mnist, "train", 20, seed=1)
+    t10k = fake_pair(mnist, "t10k", 10, seed=2)
+    cifar = make_cifar10(tmp_path / "cifar")
+    recipe = get_recipe("vit-tiny")
+    for folder, held in ((mnist, t10k), (cifar, cifar / "test_batch")):
+        check_config(recipe, Config(data=ImageData(path=str(folder), test_path=str(held))),
+                     new_run=True)
+        check_config(recipe, Config(data=ImageData(path=str(folder), val_path=str(held))),
+                     new_run=True)
+    for folder, trained in ((mnist, mnist / "train-images-idx3-ubyte"),
+                            (cifar, cifar / "data_batch_2")):
+        with pytest.raises(ValueError) as e:
+            check_config(recipe, Config(data=ImageData(path=str(folder), test_path=str(trained))),
+                         new_run=True)
+        assert str(e.value) == (
+            "--data.test-path: expected images apart from --data.path (a test set is never "
+            f"trained or validated on), found {trained}, which overlaps {folder}")
+
+
 def test_a_folder_of_images_without_class_folders_says_so(tmp_path, capsys):
     """One class's folder given as --data.path said "no images found" of a folder of images."""
     from cli_errors import error_line

@@ -20,7 +20,14 @@ import mlx.core as mx
 import numpy as np
 
 from toymlx.data.image_folder import split_folders
-from toymlx.data.images import Augment, ImageSet, Prefetcher, files_read, load_images
+from toymlx.data.images import (
+    Augment,
+    ImageSet,
+    Prefetcher,
+    files_read,
+    load_images,
+    source_files,
+)
 from toymlx.gguf.vit import RECORDED_CLASS_NAMES, class_names_sha256, load_vit, write_vit
 from toymlx.models.checks import ArgsError
 from toymlx.models.losses import classify_metrics
@@ -236,12 +243,17 @@ def _trained(d: ImageData) -> str | None:
 
 
 def _apart(which: str, held: str, flag: str, other: str | None, never: str) -> None:
-    """ValueError where the held-out set `held` (--data.val-path, --data.test-path) lies in
-    `other` (the training images) or holds it: its score would be of images trained on."""
+    """ValueError where the held-out set `held` (--data.val-path, --data.test-path) and `other`
+    (--data.path: the files its training images come from; --data.val-path: all it reads),
+    one in or holding the other, share a file: its score would be of images trained on (an
+    MNIST folder's own t10k file is not: the folder trains on its train-* files alone)."""
     if other is None:
         return
     inside, outside = Path(held).resolve(), Path(other).resolve()
-    if inside.is_relative_to(outside) or outside.is_relative_to(inside):
+    if not (inside.is_relative_to(outside) or outside.is_relative_to(inside)):
+        return
+    read = {f.resolve() for f in source_files(other, trained=flag == "--data.path")}
+    if any(f.resolve() in read for f in source_files(held)):
         raise ValueError(f"{which}: expected images apart from {flag} ({never}), found {held}, "
                          f"which overlaps {other}")
 
