@@ -19,7 +19,7 @@ import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 from toymlx.backend.progress import draws_bars
 from toymlx.backend.stop import SIGNALS, stops_raise
 from toymlx.bundle.outputs import check_output
-from toymlx.gguf.quantize import ExportType
+from toymlx.gguf.quantize import ExportType, unquantized_note
 
 if TYPE_CHECKING:
     from toymlx_cli.eval import HeldOut
@@ -215,6 +215,8 @@ def export_mlx_lm(args: Args) -> int:
             what = f"{args.base} + mlx-lm adapter {args.adapter} (fused): {kept.summary()}"
     print(f"{PROG}: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) from {what} in "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if args.fuse and args.dtype and (left := unquantized_note(out, args.dtype)):
+        print(f"{PROG}: warning: {out}: {left}", file=sys.stderr)
     return 0
 
 
@@ -323,6 +325,8 @@ def run(args: Args) -> int:
                          + kept_note(adapter_retention(out, base, args.adapter), args.dtype))
     print(f"{PROG}: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) from {what} in "
           f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if args.dtype and (left := unquantized_note(out, args.dtype)):
+        print(f"{PROG}: warning: {out}: {left}", file=sys.stderr)
     if args.adapter and args.fuse:
         print(f"{PROG}: {heldout_note(base, args.adapter, out, args.dtype, args.held_out)}",
               file=sys.stderr)

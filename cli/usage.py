@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import types
 import typing
 from collections.abc import Container, Sequence
@@ -108,7 +109,11 @@ def _one_line(event: Any, cls: type, argv: list[str]) -> str | None:
         choices = _choices(arg.field.type) or list(event.choices)
         # an optional choice's None is "unset", its default, not a value anyone types
         choices = [c for c in choices if c != "None"] or choices
-        return f"{flag}: expected one of {', '.join(choices)}, got {event.value!r}"
+        from toymlx.backend.device import torch_device_hint
+
+        hint = {"--device": torch_device_hint, "--model.preset": timm_vit_hint}.get(flag)
+        return (f"{flag}: expected one of {', '.join(choices)}, got {event.value!r}"
+                + (hint(event.value) if hint else ""))
     if kind == "BadValue" and event.reason == "fixed":
         return (f"{flag}: expected no value (it is fixed to {arg.field.default!r}), got "
                 f"{event.offending_value!r}")
@@ -124,6 +129,26 @@ def _one_line(event: Any, cls: type, argv: list[str]) -> str | None:
     if _expected(arg.field.type) is None:  # a type toymlx has no words for: tyro's reason
         return f"{flag}: {' '.join(event.message.split())} (got {given!r})"
     return f"{flag}: expected {expected}, got {given!r}"
+
+
+TIMM_VIT_SIZES = {"tiny": (192, 3, 12), "small": (384, 6, 12), "base": (768, 12, 12),
+                  "large": (1024, 16, 24)}
+"""timm's ViTs by name: width, heads, blocks (each with an MLP 4 x the width)."""
+
+
+def timm_vit_hint(value: object) -> str:
+    """After a --model.preset value refused: timm's ViT name (`vit_small_patch16_224`) as
+    vit-tiny's options ("; timm's vit_tiny_patch16_224 is vit-tiny here"); "" for another."""
+    m = re.fullmatch(r"(?:timm/)?vit_(tiny|small|base|large)_patch(\d+)_(\d+)(?:\.\w+)?",
+                     str(value))
+    if not m:
+        return ""
+    (d, heads, layers), patch, size = TIMM_VIT_SIZES[m[1]], int(m[2]), int(m[3])
+    if (m[1], patch, size) == ("tiny", 16, 224):
+        return f"; timm's {value} is vit-tiny here"
+    return (f"; timm's {value} is vit-tiny's ViT at its size here: --model.d-model {d} "
+            f"--model.n-heads {heads} --model.n-layers {layers} --model.ffn-dim {4 * d} "
+            f"--model.patch-size {patch} --data.image-size {size}")
 
 
 _KINDS = {int: ("an integer", "integers"), float: ("a number", "numbers"),
@@ -305,6 +330,17 @@ NANOGPT_FLAGS: PeerFlags = {
 }
 """nanoGPT's train.py and sample.py settings (`--block_size=64`), by name."""
 
+NANOGPT_SAMPLE_FLAGS: PeerFlags = {
+    "dtype": (("max_tokens", ("nanoGPT's dtype has no toymlx-generate option: it holds the "
+                              "model's weights as float32 on a CPU where memory allows, else as "
+                              "the file's blocks")),),
+    "compile": (("max_tokens", ("nanoGPT's compile has no toymlx-generate option: on a CPU its "
+                                "one-token steps are traced with mx.compile already")),),
+}
+"""sample.py's settings that toymlx-train has as options (--dtype, --compile) and
+toymlx-generate chooses itself (sample.py's `--dtype=float32` said only "got an unknown one");
+said only to toymlx-generate, never as "not an option of" another command."""
+
 TIMM_FLAGS: PeerFlags = {
     "--data-dir": (("data.path", ("timm's --data-dir is --data.path here (class subfolders, or "
                     "train/ and val/ of them)")),),
@@ -338,6 +374,46 @@ TIMM_FLAGS: PeerFlags = {
                       "weights to start from")),),
     "--num-classes": (("model.preset", ("the classes are the data's (class folders, or the "
                        "labels)")),),
+    # flags whose closest spelling is another idea (--drop: --model.drop-path, --channels-last:
+    # --data.channels, --model-ema: --model.n-heads, --initial-checkpoint: --grad-checkpoint)
+    "--drop": (("model.drop_path", ("timm's --drop (dropout) has no counterpart here; the "
+                "regularizer is --model.drop-path (timm's --drop-path)")),),
+    "--channels-last": (("data.channels", ("timm's --channels-last (PyTorch's memory layout) "
+                         "has no counterpart here; --data.channels is the images' channel "
+                         "count (1 or 3)")),),
+    "--model-ema": (("model.preset", ("timm's --model-ema has no counterpart here (no weight "
+                     "averaging): each checkpoint holds the trained weights")),),
+    "--initial-checkpoint": (("model.preset", ("timm's --initial-checkpoint has no counterpart "
+                              "here: vit-tiny starts from random init (--resume RUN goes on "
+                              "with a run of toymlx's)")),),
+    "--eval-metric": (("keep_best", ("timm's --eval-metric has no counterpart here: --keep-best "
+                       "N keeps the N checkpoints of lowest val_loss")),),
+    "--checkpoint-hist": (("keep_last", ("timm's --checkpoint-hist is --keep-last here "
+                           "(--keep-best N: the N of lowest val_loss)")),),
+    "--ratio": (("data.crop_scale", ("timm's --ratio has no counterpart here: --data.crop "
+                 "resized draws the aspect ratio in timm's default range, 3/4 to 4/3")),),
+    "--warmup-lr": (("warmup", ("timm's --warmup-lr has no counterpart here: the warm-up rises "
+                     "linearly from --lr / --warmup to --lr")),),
+    "--lr-base": (("lr", ("timm's --lr-base has no counterpart here: --lr is the peak rate as "
+                   "given, not scaled by --batch-size / 256")),),
+    "--log-interval": (("report_every", "timm's --log-interval is --report-every here"),),
+    "--dataset": (("data.path", ("timm's --dataset is --data.path here (class folders, CIFAR's "
+                   "python batches, MNIST's IDX files or a .npz; no torch/ or hfds/ names)")),),
+    **dict.fromkeys(("--train-split", "--val-split"), (
+        ("data.val_path", ("timm's --train-split and --val-split are the folders train/ and "
+                           "val/ (or validation/) under --data.path here, or --data.path TRAIN "
+                           "--data.val-path VAL")),)),
+    "--class-map": (("data.path", ("timm's --class-map has no counterpart here: the classes "
+                     "are the class folders in sorted order (toymlx-export writes "
+                     "class_map.txt for timm)")),),
+    **dict.fromkeys(("--mean", "--std"), (
+        ("data.image_size", ("timm's --mean and --std have no counterpart here: each channel is "
+                             "standardised by the training split's own mean and std (in the "
+                             "checkpoint)")),)),
+    "--interpolation": (("data.image_size", ("timm's --interpolation has no counterpart here: "
+                         "images are resized bicubic, as timm's vit_tiny_patch16_224")),),
+    "--crop-pct": (("data.image_size", ("timm's --crop-pct has no counterpart here: the shorter "
+                    "side is resized to --data.image-size and centre-cropped (crop_pct 1.0)")),),
 }
 """timm's train.py flags."""
 
@@ -412,10 +488,12 @@ HF_FLAGS: PeerFlags = {
 as toymlx's option (seed, weight_decay, report_to) needs none, mlx-lm's (learning_rate,
 max_seq_length) is said by `mlx_lm_hint`."""
 
-PEER_VALUES = {"--input-size": 3, "--scale": 2, "--lora-scaled": 2}
+PEER_VALUES = {"--input-size": 3, "--scale": 2, "--ratio": 2, "--mean": 3, "--std": 3,
+               "--lora-scaled": 2}
 """How many values those of the peers' flags that take more than one take (timm's
-`--input-size 3 32 32`, or `--input-size=3 32 32`, its `=` value the first; llama.cpp's
-`--lora-scaled FILE S`): each is the flag's own, not a value no option takes."""
+`--input-size 3 32 32`, or `--input-size=3 32 32`, its `=` value the first; its `--mean` and
+`--std` of three channels; llama.cpp's `--lora-scaled FILE S`): each is the flag's own, not a
+value no option takes."""
 
 
 LAUNCHER_FLAGS: PeerFlags = {
@@ -501,7 +579,8 @@ def flag_hint(flag: str, flags: dict[str, bool], prog: str) -> str | None:
               (LAUNCHER_FLAGS, spelt),
               (OPTIMIZER_FLAGS, spelt),
               *(((TIMM_FLAGS, spelt),) if images else ()),
-              *(((HF_FLAGS, name),) if "base" in flags else ()), (NANOGPT_FLAGS, name))
+              *(((HF_FLAGS, name),) if "base" in flags else ()), (NANOGPT_FLAGS, name),
+              (NANOGPT_SAMPLE_FLAGS, name))
     for table, key in tables:
         if said := peer_hint(table, key, flags):
             return said
@@ -514,13 +593,26 @@ def flag_hint(flag: str, flags: dict[str, bool], prog: str) -> str | None:
     return f"did you mean {close}?" if close else None
 
 
+def _takes_positionals(cls: type) -> bool:
+    """Whether `cls` has a positional field (toymlx-classify's images)."""
+    import tyro
+
+    return any(tyro.conf.Positional in typing.get_args(tp)
+               for tp in typing.get_type_hints(cls, include_extras=True).values())
+
+
 def _unrecognized(tokens: list[str], cls: type, argv: list[str], prog: str) -> str:
     """tyro's unrecognized tokens as one line: each unknown option with the closest flag of
-    `cls`; a value no option takes with the option before it (a flag that takes no value)."""
+    `cls`; a value no option takes with the option before it (a flag that takes no value).
+    Where `cls` takes positionals, tyro hands back every token after an unknown option, the
+    positionals among them (`--topk 2 a.png`): no value is named there, an image being one."""
     flags = _flags(cls)
+    positionals = _takes_positionals(cls)
     parts, at, owed = [], 0, 0
     for token in tokens:
         flag, eq, value = token.partition("=")
+        if positionals and not (flag.startswith("-") and flag != "-" and not _is_number(flag)):
+            continue
         if flag.startswith("--") or (flag.startswith("-") and not _is_number(flag)):
             hint = flag_hint(flag, flags, prog)
             parts.append(f"{flag}: expected an option of {prog}, got an unknown one"

@@ -1,8 +1,9 @@
-"""Small image data sets written by the tests: an ImageFolder of PNG/JPEG files and CIFAR
-python batches in the real pickle layout."""
+"""Small image data sets written by the tests: an ImageFolder of PNG/JPEG files, CIFAR
+python batches in the real pickle layout and MNIST's IDX files."""
 
 from __future__ import annotations
 
+import gzip
 import pickle
 import tarfile
 from pathlib import Path
@@ -68,3 +69,19 @@ def make_cifar10(folder: Path, per_batch: int = 6, archive: bool = False) -> Pat
     with tarfile.open(out, "w:gz") as tar:
         tar.add(d, arcname="cifar-10-batches-py")
     return out
+
+
+def write_idx(path: Path, arr: np.ndarray, magic: int | None = None) -> Path:
+    """An IDX ubyte file (gzip when the name ends in .gz)."""
+    magic = (0x0800 | arr.ndim) if magic is None else magic
+    data = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in arr.shape)
+    data += arr.astype(np.uint8).tobytes()
+    path.write_bytes(gzip.compress(data) if path.name.endswith(".gz") else data)
+    return path
+
+
+def fake_pair(folder: Path, prefix: str, n: int, seed: int = 0) -> Path:
+    """MNIST's `{prefix}-images-idx3-ubyte` of n random 6x6 images and its labels file."""
+    rng = np.random.default_rng(seed)
+    write_idx(folder / f"{prefix}-labels-idx1-ubyte", rng.integers(0, 10, n))
+    return write_idx(folder / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 6, 6)))

@@ -1174,6 +1174,13 @@ def test_a_model_of_the_other_kind_names_the_command_that_uses_it(tmp_path, stor
         f"toymlx-classify: error: {stories_path}: metadata key 'general.architecture': "
         "expected 'vit' (an image classifier), found 'llama', a language model: "
         f"toymlx-generate --model {stories_path} uses it")
+    # a run: named as typed (before: its checkpoint file alone, sent to toymlx-generate)
+    run = make_run_dir(tmp_path, stories_path)
+    assert classify_main(["--model", str(run), str(image)]) == 2
+    assert error_line(capsys, "toymlx-classify") == (
+        f"toymlx-classify: error: {run} ({run / 'weights' / 'step_5.gguf'}): metadata key "
+        "'general.architecture': expected 'vit' (an image classifier), found 'llama', a language "
+        f"model: toymlx-generate --model {run} uses it")
     # a vocabulary without weights: named as that, whatever its architecture (before: the
     # llama ones sent to toymlx-generate, which refuses them: "holds no tensors")
     for vocab, arch in (("smollm2", "llama"), ("gpt-2", "gpt2")):

@@ -528,14 +528,22 @@ def test_one_folder_says_how_many_images_its_seeded_split_holds_out(tmp_path):
 def test_linked_subfolders_are_read_and_a_dangling_link_is_named(tmp_path):
     """Images behind a linked subfolder count, as torchvision's ImageFolder follows links (before:
     skipped without a word); a link to nothing, or up to the folder of the classes, is refused
-    by name (before: skipped, and read as the class's)."""
+    by name (before: skipped, and read as the class's); a link up to the class folder itself is
+    refused as in a folder of text files (before: skipped, as there)."""
     root = make_image_folder(tmp_path / "f", per_class=3)
     elsewhere = make_image_folder(tmp_path / "more", per_class=2, seed=2)
     (root / "cat" / "more").symlink_to(elsewhere / "cat")
-    (root / "cat" / "loop").symlink_to(root / "cat")  # a link back up: read once
     files, labels, _, _ = scan_image_folder(root)
     assert np.bincount(labels).tolist() == [3, 5, 3]
     assert sum(f.parent.name == "more" for f in files) == 2
+    (root / "cat" / "loop").symlink_to(root / "cat")
+    with pytest.raises(ImageDataError) as e:
+        scan_image_folder(root)
+    assert str(e.value) == (f"{root / 'cat' / 'loop'}: expected a file or a folder within "
+                            f"{root / 'cat'}, found a link back up to {(root / 'cat').resolve()}, "
+                            "which holds it: a loop, its names read again through it; remove "
+                            "the link")
+    (root / "cat" / "loop").unlink()
     # a link up to the folder holding the classes read them all as cat's, without a word
     (root / "frog" / "up").symlink_to("..")
     with pytest.raises(ImageDataError) as e:

@@ -6,10 +6,10 @@ import gzip
 import hashlib
 import re
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
+from image_files import fake_pair, write_idx
 
 from toymlx.data.images import (
     DIGITS_NPZ,
@@ -20,21 +20,6 @@ from toymlx.data.images import (
     load_npz,
     read_idx,
 )
-
-
-def write_idx(path: Path, arr: np.ndarray, magic: int | None = None) -> Path:
-    """An IDX ubyte file (gzip when the name ends in .gz)."""
-    magic = (0x0800 | arr.ndim) if magic is None else magic
-    data = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in arr.shape)
-    data += arr.astype(np.uint8).tobytes()
-    path.write_bytes(gzip.compress(data) if path.name.endswith(".gz") else data)
-    return path
-
-
-def fake_pair(folder: Path, prefix: str, n: int, seed: int = 0) -> Path:
-    rng = np.random.default_rng(seed)
-    write_idx(folder / f"{prefix}-labels-idx1-ubyte", rng.integers(0, 10, n))
-    return write_idx(folder / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 6, 6)))
 
 
 def rows(x: np.ndarray, y: np.ndarray) -> Counter:

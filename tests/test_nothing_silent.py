@@ -429,6 +429,50 @@ def test_a_resume_of_the_runs_root_or_a_runs_weights_names_the_run_to_pass(runs,
         f"the weights folder of the run {a}; name the run: {a}")
 
 
+def test_a_resume_of_a_checkpoint_file_names_the_run_and_its_from(runs, capsys):
+    """timm's --resume and HF Trainer's resume_from_checkpoint take a checkpoint file:
+    `--resume runs/a/weights/step_2.gguf` read only "expected a run bundle folder, found a
+    file". The run is named, and for a step_N.gguf the --from that starts there; `latest` is
+    the newest, which a resume takes anyway; a file of no run is still "a file"."""
+    from toymlx_cli.train import main as train_main
+
+    a, _ = runs
+    before = _files(a)
+    for given, start in ((a / "weights" / "step_2.gguf", (" (--from step_2: from this "
+                                                          "checkpoint, not the newest)")),
+                         (a / "weights" / "latest", ""), (a / "config.json", "")):
+        assert train_main(["--resume", str(given)]) == 2
+        assert error_line(capsys) == (
+            f"toymlx-train: error: {given}: --resume: expected a run bundle folder, found a "
+            f"file of the run {a}; name the run: {a}{start}")
+    stray = a.parent / "notes.txt"
+    stray.write_text("x")
+    assert train_main(["--resume", str(stray)]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {stray}: --resume: expected a run bundle folder, found a file")
+    assert _files(a) == before
+
+
+def test_a_run_s_optimizer_state_given_as_a_model_is_named_as_one(runs, capsys):
+    """A checkpoint's .state.safetensors (beside its .gguf) given to toymlx-generate or
+    toymlx-eval was "Hugging Face safetensors weights; llama.cpp's convert_hf_to_gguf.py makes
+    a GGUF of the model's folder": it is toymlx's own, and its step's .gguf the weights."""
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.generate import main as generate_main
+
+    a, _ = runs
+    state = a / "weights" / "step_2.state.safetensors"
+    assert state.is_file()
+    for prog, main, extra in (("toymlx-generate", generate_main, ["--prompt", "x"]),
+                              ("toymlx-eval", eval_main, [])):
+        assert main(["--model", str(state), *extra]) == 2
+        err = error_line(capsys, prog)
+        assert err.startswith(f"{prog}: error: {state}: magic: expected b'GGUF', found "), err
+        assert err.endswith("(not a GGUF file: a toymlx run's optimizer state, which --resume "
+                            "reads beside its checkpoint; the weights are the .gguf of the same "
+                            "step beside it)"), err
+
+
 def test_an_mlx_lm_model_folder_given_as_a_run_is_named_as_one(tmp_path, capsys):
     """mlx-lm's --model folder (config.json and model.safetensors) read as a run: generate said
     "found no checkpoint", eval, export and --resume "config.json: expected an object with

@@ -667,3 +667,142 @@ def test_a_full_disk_at_llama_cpp_s_f32_input_says_which_file_takes_the_room(tmp
         f"beside it first, and the q8_0 file then needs room beside it: '{out}'); nothing was "
         "written under this name")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_matrices_left_unquantized_for_their_rows_are_named(tmp_path):
+    """llama-quantize keeps a matrix whose rows are not a multiple of 32 in F16 (a from-scratch
+    model 48 wide: `--dtype q4_k_m` wrote 7 of 8 matrices F16 under file type Q4_K_M), said
+    only in its log: the export now says how many, their rows and what quantizes them. A
+    quantized matrix, a float one of whole blocks (a router kept F32) and 1-D norms are not
+    counted."""
+    from toymlx.gguf.quantize import unquantized_note
+    from toymlx.gguf.writer import QuantTensor, write_gguf
+
+    rng = np.random.default_rng(0)
+    w64 = rng.standard_normal((8, 64)).astype(np.float32)
+    path = write_gguf(tmp_path / "m.gguf", {"general.architecture": "llama"}, {
+        "blk.0.attn_q.weight": rng.standard_normal((48, 48)).astype(np.float16),
+        "blk.0.ffn_down.weight": rng.standard_normal((48, 80)).astype(np.float16),
+        "blk.0.ffn_gate_inp.weight": w64,
+        "blk.0.ffn_up.weight": QuantTensor(GGMLQuantizationType.Q8_0,
+                                           quantize(w64, GGMLQuantizationType.Q8_0), (8, 64)),
+        "blk.0.attn_norm.weight": np.ones(48, np.float32)})
+    assert unquantized_note(path, "q4_k_m") == (
+        "2 of its 4 matrices stay F16, not q4_k_m: their rows (48, 80 values) are not a multiple "
+        "of the 32 a quantized block holds; a model whose widths (--model.d-model, "
+        "--model.ffn-dim) are multiples of 32 (256 for k-quants) quantizes them all; 1 of its 4 "
+        "matrices are quantized in a 32-value block type, not q4_k_m's 256-value Q4_K: their rows "
+        "(64 values) are not a multiple of 256, and llama.cpp's quantizer fell back (Q8_0: "
+        "blk.0.ffn_up.weight); widths that are multiples of 256 get q4_k_m's own blocks")
+    assert unquantized_note(path, "f16") is None  # asked for floats: nothing to say
+
+
+@pytest.mark.interop
+def test_an_export_quantized_where_rows_do_not_fit_a_block_says_so(tmp_path, capsys):
+    """toymlx-export --dtype q4_k_m of a model 48 wide: the file says Q4_K_M, its matrices are
+    F16 (llama.cpp's fallback); the warning line after the wrote line names them."""
+    from toymlx_cli.export import main as export_main
+
+    mx.random.seed(5)
+    base = tmp_path / "w48.gguf"
+    write_llama(base, Llama(tiny(d_model=48, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                                 context=64)), byte_tokenizer().to_metadata(), name="w48")
+    out = tmp_path / "q.gguf"
+    assert export_main(["--base", str(base), "--out", str(out), "--dtype", "q4_k_m"]) == 0
+    g = GGUFFile(out)
+    assert g.metadata["general.file_type"] == int(file_type("q4_k_m"))
+    floats = sorted(n for n, t in g.tensors.items()
+                    if len(t.shape) == 2 and t.type == GGMLQuantizationType.F16)
+    mats = [n for n, t in g.tensors.items() if len(t.shape) == 2]
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == (
+        f"toymlx-export: warning: {out}: {len(floats)} of its {len(mats)} matrices stay F16, not "
+        "q4_k_m: their rows (48 values) are not a multiple of the 32 a quantized block holds; a "
+        "model whose widths (--model.d-model, --model.ffn-dim) are multiples of 32 (256 for "
+        "k-quants) quantizes them all; 1 of its 8 matrices are quantized in a 32-value block "
+        "type, not q4_k_m's 256-value Q4_K: their rows (96 values) are not a multiple of 256, "
+        "and llama.cpp's quantizer fell back (Q8_0: blk.0.ffn_down.weight); widths that are "
+        "multiples of 256 get q4_k_m's own blocks")
+    assert len(floats) == len(mats) - 1  # ffn_down's rows (96) are whole 32-value blocks
+
+
+@pytest.mark.interop
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_fuse_at_end_quantized_where_rows_do_not_fit_a_block_says_so(tmp_path, capsys, kind):
+    """toymlx-train --fuse-at-end q8_0 on a base 48 wide: toymlx-export --dtype q8_0 warned that
+    llama.cpp left its matrices F16, the run's own export said nothing (the adapter's fused
+    file and a full fine-tune's alike); both now print the one warning after the file."""
+    from toymlx_cli.train import main as train_main
+
+    mx.random.seed(5)
+    base = tmp_path / "w48.gguf"
+    write_llama(base, Llama(tiny(d_model=48, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                                 context=64)), byte_tokenizer().to_metadata(), name="w48")
+    assert train_main(["--recipe", "lora", "--fine-tune-type", kind, "--base", str(base),
+                       "--runs-root", str(tmp_path), "--run-id", "r", "--steps", "1",
+                       "--batch-size", "2", "--seq-len", "32", "--warmup", "1",
+                       "--eval-every", "0", "--eval-batches", "1", "--no-progress",
+                       "--no-compile", "--fuse-at-end", "q8_0"]) == 0
+    out = tmp_path / "r" / "fused-q8_0.gguf"
+    mats = [t for t in GGUFFile(out).tensors.values() if len(t.shape) == 2]
+    left = [t for t in mats if t.type == GGMLQuantizationType.F16]
+    assert left and len(left) < len(mats)  # ffn_down's rows (96) are whole blocks
+    assert (f"toymlx: warning: {out}: {len(left)} of its {len(mats)} matrices stay F16, not "
+            "q8_0: their rows (48 values) are not a multiple of the 32 a quantized block holds; "
+            "a model whose widths (--model.d-model, --model.ffn-dim) are multiples of 32 (256 "
+            "for k-quants) quantizes them all") in capsys.readouterr().err.splitlines()
+
+
+def test_k_quant_matrices_given_a_32_value_block_type_are_named(tmp_path):
+    """A k-quant's rows not a multiple of 256 get a 32-value block type from llama-quantize
+    (Q4_K_M: Q5_0 or Q8_0), said only in its log: the file was q4_k_m by name, no Q4_K in it,
+    and the export said nothing. The note names the tensors and the type each got (each
+    block's alike once, with their count); a Q4_K matrix 256 wide and q8_0 asked for are not
+    counted."""
+    from toymlx.gguf.quantize import block_type, unquantized_note
+    from toymlx.gguf.writer import QuantTensor, write_gguf
+
+    rng = np.random.default_rng(0)
+    w64 = rng.standard_normal((8, 64)).astype(np.float32)
+
+    def q(w: np.ndarray, t: GGMLQuantizationType) -> QuantTensor:
+        return QuantTensor(t, quantize(w, t), w.shape)
+
+    path = write_gguf(tmp_path / "m.gguf", {"general.architecture": "llama"}, {
+        "token_embd.weight": q(w64, GGMLQuantizationType.Q8_0),
+        "blk.0.attn_q.weight": q(w64, GGMLQuantizationType.Q5_0),
+        "blk.1.attn_q.weight": q(w64, GGMLQuantizationType.Q5_0),
+        "blk.0.ffn_down.weight": q(w64, GGMLQuantizationType.Q8_0),
+        "blk.0.ffn_up.weight": QuantTensor(GGMLQuantizationType.Q4_K,  # gguf-py encodes none
+                                           np.zeros((8, 144), np.uint8), (8, 256)),
+        "blk.0.attn_norm.weight": np.ones(64, np.float32)})
+    assert unquantized_note(path, "q4_k_m") == (
+        "4 of its 5 matrices are quantized in a 32-value block type, not q4_k_m's 256-value "
+        "Q4_K: their rows (64 values) are not a multiple of 256, and llama.cpp's quantizer fell "
+        "back (Q5_0: blk.*.attn_q.weight (2); Q8_0: token_embd.weight, blk.0.ffn_down.weight); "
+        "widths that are multiples of 256 get q4_k_m's own blocks")
+    assert unquantized_note(path, "q8_0") is None  # 32-value blocks were asked for
+    assert [block_type(t) for t in ("q4_k_m", "q6_k", "iq4_xs", "q3_k_l", "q8_0")] == [
+        GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.IQ4_XS,
+        GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q8_0]
+
+
+@pytest.mark.interop
+def test_an_export_to_a_k_quant_where_rows_do_not_fit_256_says_what_it_got(tmp_path, capsys):
+    """toymlx-export --dtype q4_k_m of the tiny model (64 wide, ffn 96): llama.cpp gives every
+    matrix Q5_0 or Q8_0; the warning after the wrote line names each with its type."""
+    from toymlx_cli.export import main as export_main
+
+    base = tiny_base(tmp_path / "tiny.gguf")
+    out = tmp_path / "q.gguf"
+    assert export_main(["--base", str(base), "--out", str(out), "--dtype", "q4_k_m"]) == 0
+    types = {n: t.type.name for n, t in GGUFFile(out).tensors.items() if len(t.shape) == 2}
+    assert set(types.values()) == {"Q5_0", "Q8_0"}
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"toymlx-export: warning: {out}: 15 of its 15 matrices are quantized in a 32-value block "
+        "type, not q4_k_m's 256-value Q4_K: their rows (64, 96 values) are not a multiple of "
+        "256, and llama.cpp's quantizer fell back (Q5_0: blk.*.attn_k.weight (2), "
+        "blk.*.attn_output.weight (2), blk.*.attn_q.weight (2), blk.0.attn_v.weight, "
+        "blk.0.ffn_down.weight, blk.*.ffn_gate.weight (2), blk.*.ffn_up.weight (2); Q8_0: "
+        "token_embd.weight, blk.1.attn_v.weight, blk.1.ffn_down.weight); widths that are "
+        "multiples of 256 get q4_k_m's own blocks")

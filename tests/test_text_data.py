@@ -451,6 +451,22 @@ def test_a_folder_of_text_files_records_the_files_it_reads_not_a_hidden_folders(
     assert not same_data(folder, was, TEXT_SUFFIXES)[0]
 
 
+def test_a_link_back_up_in_a_folder_of_text_files_is_refused_by_name(tmp_path):
+    """`part 2/up -> ..` (a link back up to the data folder) was skipped without a word in a
+    folder of text files, while the same link in an image folder's class was refused: the one
+    walk (`names_below`) now refuses every link to a folder that holds it, naming the link."""
+    from toymlx.data.chat import text_folder_files
+
+    folder, _ = _book(tmp_path)
+    (folder / "part 2" / "up").symlink_to("..")
+    with pytest.raises(DataError) as e:
+        text_folder_files(folder)
+    assert str(e.value) == (
+        f"{folder / 'part 2' / 'up'}: expected a file or a folder within {folder}, found a link "
+        f"back up to {folder.resolve()}, which holds it: a loop, its names read again through "
+        "it; remove the link")
+
+
 def test_a_folder_of_text_files_names_the_files_it_does_not_read(tmp_path):
     """A folder's cover.png, script.py and README (no suffix) were left out without a word, so
     notes kept as .org files trained on nothing of theirs; one line names them, counted by

@@ -302,3 +302,43 @@ def test_timm_forward_equals_toymlx(exported):
             np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     assert hub.pretrained_cfg["label_names"] == NAMES
     np.testing.assert_allclose(hub.pretrained_cfg["mean"], NORM["toy.pixel_mean"], rtol=1e-7)
+
+
+def test_the_timm_export_given_back_as_a_model_is_named_as_timm_s(exported, tmp_path, capsys):
+    """toymlx-classify and toymlx-eval given the folder or the .safetensors that toymlx-export
+    wrote for timm called it "a Hugging Face model folder (..., as mlx-lm's --model takes)" and
+    the file "Hugging Face safetensors weights; llama.cpp's convert_hf_to_gguf.py makes a GGUF",
+    which takes no ViT: it is named as timm's, with what toymlx reads instead."""
+    from toymlx_cli.classify import main as classify_main
+    from toymlx_cli.eval import main as eval_main
+
+    _, out = exported
+    folder = ("a timm model folder (config.json and model.safetensors, as toymlx-export "
+              "--format safetensors writes from a run; toymlx reads the run, or a GGUF of its "
+              "weights/)")
+    weights = (": timm safetensors weights, as toymlx-export --format safetensors writes from "
+               "a run; toymlx reads the run, or a GGUF of its weights/)")
+    image = tmp_path / "a.png"
+    image.write_bytes(b"")
+    capsys.readouterr()
+    assert classify_main(["--model", str(out), str(image)]) == 2
+    assert capsys.readouterr().err == (f"toymlx-classify: error: {out}: expected a run bundle "
+                                       f"with weights/latest, found {folder}\n")
+    assert eval_main(["--model", str(out)]) == 2
+    assert capsys.readouterr().err == (f"toymlx-eval: error: {out}: --model: expected a run "
+                                       f"bundle folder, found {folder}\n")
+    st = out / "model.safetensors"
+    for main, prog, extra in ((classify_main, "toymlx-classify", [str(image)]),
+                              (eval_main, "toymlx-eval", [])):
+        assert main(["--model", str(st), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"{prog}: error: {st}: magic: expected b'GGUF', found ") \
+            and err.endswith(f"(not a GGUF file{weights}\n"), err
+    # a transformers model folder is still Hugging Face's
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (hf / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+    assert eval_main(["--model", str(hf)]) == 2
+    assert "found a Hugging Face model folder (config.json and model.safetensors, as mlx-lm's " \
+        "--model takes" in capsys.readouterr().err

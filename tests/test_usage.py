@@ -664,6 +664,62 @@ VIT = "toymlx-train --recipe vit-tiny"
         "takes (after --steps 3)")),
     (["--stpes", "3"], (f"--stpes: expected an option of {VIT}, got an unknown one; did you mean "
                        "--steps?")),
+    # timm's flags whose closest spelling is another idea (before: --drop "did you mean
+    # --model.drop-path?", --channels-last "--data.channels?", --model-ema "--model.n-heads?",
+    # --initial-checkpoint "--grad-checkpoint?", --eval-metric "--eval-every?", --ratio
+    # "--min-lr-ratio?"), or that had no hint (--mean's three values each named as a stray)
+    (["--drop", "0.1"], (f"--drop: expected an option of {VIT}, got an unknown one; timm's --drop "
+                         "(dropout) has no counterpart here; the regularizer is --model.drop-path "
+                         "(timm's --drop-path)")),
+    (["--channels-last"], (f"--channels-last: expected an option of {VIT}, got an unknown one; "
+                           "timm's --channels-last (PyTorch's memory layout) has no counterpart "
+                           "here; --data.channels is the images' channel count (1 or 3)")),
+    (["--model-ema"], (f"--model-ema: expected an option of {VIT}, got an unknown one; timm's "
+                       "--model-ema has no counterpart here (no weight averaging): each "
+                       "checkpoint holds the trained weights")),
+    (["--initial-checkpoint", "x.pth"], (
+        f"--initial-checkpoint: expected an option of {VIT}, got an unknown one; timm's "
+        "--initial-checkpoint has no counterpart here: vit-tiny starts from random init "
+        "(--resume RUN goes on with a run of toymlx's)")),
+    (["--eval-metric", "top1"], (f"--eval-metric: expected an option of {VIT}, got an unknown "
+                                 "one; timm's --eval-metric has no counterpart here: --keep-best "
+                                 "N keeps the N checkpoints of lowest val_loss")),
+    (["--checkpoint-hist", "3"], (f"--checkpoint-hist: expected an option of {VIT}, got an "
+                                  "unknown one; timm's --checkpoint-hist is --keep-last here "
+                                  "(--keep-best N: the N of lowest val_loss)")),
+    (["--ratio", "0.75", "1.33"], (
+        f"--ratio: expected an option of {VIT}, got an unknown one; timm's --ratio has no "
+        "counterpart here: --data.crop resized draws the aspect ratio in timm's default range, "
+        "3/4 to 4/3")),
+    (["--warmup-lr", "1e-6"], (f"--warmup-lr: expected an option of {VIT}, got an unknown one; "
+                               "timm's --warmup-lr has no counterpart here: the warm-up rises "
+                               "linearly from --lr / --warmup to --lr")),
+    (["--lr-base", "5e-4"], (f"--lr-base: expected an option of {VIT}, got an unknown one; "
+                             "timm's --lr-base has no counterpart here: --lr is the peak rate as "
+                             "given, not scaled by --batch-size / 256")),
+    (["--log-interval", "5"], (f"--log-interval: expected an option of {VIT}, got an unknown "
+                               "one; timm's --log-interval is --report-every here")),
+    (["--val-split", "validation"], (
+        f"--val-split: expected an option of {VIT}, got an unknown one; timm's --train-split and "
+        "--val-split are the folders train/ and val/ (or validation/) under --data.path here, or "
+        "--data.path TRAIN --data.val-path VAL")),
+    (["--class-map", "m.txt"], (f"--class-map: expected an option of {VIT}, got an unknown one; "
+                                "timm's --class-map has no counterpart here: the classes are the "
+                                "class folders in sorted order (toymlx-export writes "
+                                "class_map.txt for timm)")),
+    (["--mean", "0.5", "0.5", "0.5", "--std", "0.2", "0.2", "0.2"], (
+        f"--mean: expected an option of {VIT}, got an unknown one; timm's --mean and --std have "
+        "no counterpart here: each channel is standardised by the training split's own mean and "
+        f"std (in the checkpoint); --std: expected an option of {VIT}, got an unknown one; timm's "
+        "--mean and --std have no counterpart here: each channel is standardised by the training "
+        "split's own mean and std (in the checkpoint)")),
+    (["--interpolation", "bilinear"], (
+        f"--interpolation: expected an option of {VIT}, got an unknown one; timm's "
+        "--interpolation has no counterpart here: images are resized bicubic, as timm's "
+        "vit_tiny_patch16_224")),
+    (["--crop-pct", "0.9"], (f"--crop-pct: expected an option of {VIT}, got an unknown one; "
+                             "timm's --crop-pct has no counterpart here: the shorter side is "
+                             "resized to --data.image-size and centre-cropped (crop_pct 1.0)")),
 ])
 def test_timm_s_flags_are_named_with_toymlx_s(capsys, tmp_path, monkeypatch, args, want):
     monkeypatch.chdir(tmp_path)
@@ -724,8 +780,9 @@ def test_timm_s_flags_are_named_with_toymlx_s(capsys, tmp_path, monkeypatch, arg
     # and --bias "its Llama")
     ("from-scratch", "--dataset", ("nanoGPT's dataset is toymlx's --data.path (a text file, not "
      "prepare.py's .bin)")),
-    ("vit-tiny", "--dataset", ("nanoGPT's dataset is toymlx's --data.path (images here: class "
-     "folders, MNIST's IDX files or a .npz)")),
+    # timm's --dataset where the recipe trains images (before: nanoGPT's, without CIFAR)
+    ("vit-tiny", "--dataset", ("timm's --dataset is --data.path here (class folders, CIFAR's "
+     "python batches, MNIST's IDX files or a .npz; no torch/ or hfds/ names)")),
     ("from-scratch", "--dropout", ("nanoGPT's dropout has no toymlx option (its Llama has no "
      "dropout)")),
     ("vit-tiny", "--dropout", ("nanoGPT's dropout has no toymlx option (vit-tiny's regularizer "
@@ -814,4 +871,116 @@ def test_train_s_from_given_to_a_command_that_reads_a_run_names_the_checkpoint_f
         "toymlx-train's (the checkpoint a resume goes on from); here give that checkpoint's file "
         "where you give the run folder: RUN/weights/step_N.gguf (a LoRA run's: "
         "RUN/weights/adapter_step_N.gguf)")
+
+
+TORCH_GPU = "is gpu here: MLX's GPU, Metal on a Mac, CUDA elsewhere"
+
+
+@pytest.mark.parametrize("module,args,want", [
+    # PyTorch's device names, as nanoGPT's device='cuda' (or a Mac's 'mps') is typed (before:
+    # "expected one of auto, gpu, cpu" alone, not saying which of them cuda is)
+    ("train", ["--recipe", "from-scratch", "--device", "cuda"], (
+        f"--device: expected one of auto, gpu, cpu, got 'cuda'; PyTorch's cuda (nanoGPT's "
+        f"device) {TORCH_GPU}")),
+    ("train", ["--recipe", "vit-tiny", "--device=cuda:1"], (
+        f"--device: expected one of auto, gpu, cpu, got 'cuda:1'; PyTorch's cuda:1 (nanoGPT's "
+        f"device) {TORCH_GPU}")),
+    ("generate", ["--model", "m.gguf", "--device", "mps"], (
+        f"--device: expected one of auto, cpu, gpu, got 'mps'; PyTorch's mps (nanoGPT's device) "
+        f"{TORCH_GPU}")),
+    ("train", ["--recipe", "from-scratch", "--device", "tpu"],
+     "--device: expected one of auto, gpu, cpu, got 'tpu'"),
+])
+def test_pytorch_s_gpu_device_names_are_toymlx_s_gpu(capsys, tmp_path, monkeypatch, module,
+                                                     args, want):
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    assert importlib.import_module(f"toymlx_cli.{module}").main(args) == 2
+    assert only_line(capsys) == f"toymlx-{module}: error: {want}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pytorch_s_gpu_device_name_in_a_config_file_is_toymlx_s_gpu(capsys, tmp_path):
+    """nanoGPT's config key `device: cuda` in a -c file: the same hint, before the file's fix."""
+    conf = tmp_path / "c.yaml"
+    conf.write_text("device: cuda\n")
+    assert main(["--recipe", "from-scratch", "-c", str(conf)]) == 2
+    assert only_line(capsys) == (
+        f"toymlx-train: error: {conf}: key 'device': expected one of \"auto\", \"gpu\", \"cpu\", "
+        f"found \"cuda\" (a string); PyTorch's cuda (nanoGPT's device) {TORCH_GPU}; fix it, or "
+        "remove the key to take its default")
+
+
+@pytest.mark.parametrize("args,want", [
+    # tyro hands back every token after an unknown option where the command takes positionals:
+    # the images were named as strays (before: "--topk: ... did you mean --top-k?; 'a.png':
+    # expected an option of toymlx-classify, got a value no option takes (after --topk 2)")
+    (["--model", "m", "--topk", "2", "a.png", "b.png"], (
+        "--topk: expected an option of toymlx-classify, got an unknown one; did you mean "
+        "--top-k?")),
+    (["--model", "m", "--dtype=float32", "a.png", "-"], (
+        "--dtype: expected an option of toymlx-classify, got an unknown one")),
+    # images before the unknown option, two unknown options: as before
+    (["--model", "m", "a.png", "--topk", "2", "--jsn"], (
+        "--topk: expected an option of toymlx-classify, got an unknown one; did you mean "
+        "--top-k?; --jsn: expected an option of toymlx-classify, got an unknown one; did you "
+        "mean --json?")),
+])
+def test_an_unknown_option_before_the_images_names_no_image_as_a_stray(capsys, tmp_path,
+                                                                       monkeypatch, args, want):
+    from toymlx_cli.classify import main as classify_main
+
+    monkeypatch.chdir(tmp_path)
+    assert classify_main(args) == 2
+    assert only_line(capsys) == f"toymlx-classify: error: {want}"
+
+
+@pytest.mark.parametrize("args,want", [
+    # sample.py's dtype and compile, toymlx-train's options, that toymlx-generate chooses itself
+    # (before: "got an unknown one" alone)
+    (["--dtype=float32"], (
+        "--dtype: expected an option of toymlx-generate, got an unknown one; nanoGPT's dtype "
+        "has no toymlx-generate option: it holds the model's weights as float32 on a CPU where "
+        "memory allows, else as the file's blocks")),
+    (["--compile=False"], (
+        "--compile: expected an option of toymlx-generate, got an unknown one; nanoGPT's "
+        "compile has no toymlx-generate option: on a CPU its one-token steps are traced with "
+        "mx.compile already")),
+])
+def test_sample_py_s_dtype_and_compile_are_named_to_generate(capsys, tmp_path, monkeypatch,
+                                                             args, want):
+    from toymlx_cli.eval import main as eval_main
+    from toymlx_cli.generate import main as generate_main
+
+    monkeypatch.chdir(tmp_path)
+    assert generate_main(["--model", "m.gguf", "--prompt", "x", *args]) == 2
+    assert only_line(capsys) == f"toymlx-generate: error: {want}"
+    # said to toymlx-generate alone: not "...; not an option of toymlx-eval"
+    flag = args[0].partition("=")[0]
+    assert eval_main(["--model", "m.gguf", *args]) == 2
+    assert only_line(capsys) == (
+        f"toymlx-eval: error: {flag}: expected an option of toymlx-eval, got an unknown one")
+
+
+@pytest.mark.parametrize("value,want", [
+    # timm's model names as the preset (before: the choices alone, no word of timm's)
+    ("vit_tiny_patch16_224", "; timm's vit_tiny_patch16_224 is vit-tiny here"),
+    ("vit_small_patch16_224", (
+        "; timm's vit_small_patch16_224 is vit-tiny's ViT at its size here: --model.d-model 384 "
+        "--model.n-heads 6 --model.n-layers 12 --model.ffn-dim 1536 --model.patch-size 16 "
+        "--data.image-size 224")),
+    ("timm/vit_base_patch32_384.augreg_in21k", (
+        "; timm's timm/vit_base_patch32_384.augreg_in21k is vit-tiny's ViT at its size here: "
+        "--model.d-model 768 --model.n-heads 12 --model.n-layers 12 --model.ffn-dim 3072 "
+        "--model.patch-size 32 --data.image-size 384")),
+    ("vit-small", ""),
+])
+def test_timm_s_model_names_as_the_preset_say_vit_tiny_s_options(capsys, tmp_path, monkeypatch,
+                                                                  value, want):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--recipe", "vit-tiny", "--model.preset", value]) == 2
+    assert only_line(capsys) == (
+        "toymlx-train: error: --model.preset: expected one of auto, vit-tiny, vit-tiny-28, "
+        f"vit-tiny-8, got {value!r}{want}")
     assert list(tmp_path.iterdir()) == []

@@ -180,6 +180,84 @@ def test_test_path_scored_at_the_end_as_eval_and_the_classifier_score_it(tmp_pat
     assert not (tmp_path / "runs" / "no").exists()
 
 
+def test_a_val_path_overlapping_the_training_images_is_refused_for_a_new_run(tmp_path, capsys):
+    """--data.val-path naming the training folder (or a class folder in it, or timm's train/)
+    trained on those images and scored them as held out, said nowhere; a saved run is not
+    refused (it goes on as it was started), as its config is checked again on --resume."""
+    from cli_errors import error_line
+
+    from toymlx.recipes import get_recipe
+    from toymlx.recipes.vit_tiny import Config, ImageData
+    from toymlx.training.task import check_config
+
+    root = make_image_folder(tmp_path / "d", per_class=3)
+    timm = tmp_path / "t"
+    make_image_folder(timm / "train", per_class=3)
+    make_image_folder(timm / "val", per_class=1, seed=3)
+    for data, val, over in ((root, root, root), (root, root / "cat", root),
+                            (timm, timm / "train", timm / "train")):
+        assert train_main(["--recipe", "vit-tiny", *TINY, "--data.path", str(data),
+                           "--data.val-path", str(val), "--runs-root", str(tmp_path / "runs"),
+                           "--run-id", "r"]) == 2
+        assert error_line(capsys) == (
+            "toymlx-train: error: --data.val-path: expected images apart from --data.path (a "
+            f"validation set is never trained on), found {val}, which overlaps {over}")
+    assert not (tmp_path / "runs").exists()
+    saved = Config(data=ImageData(path=str(root), val_path=str(root)))
+    check_config(get_recipe("vit-tiny"), saved)  # a saved run's: taken
+    with pytest.raises(ValueError, match="^--data.val-path: expected images apart"):
+        check_config(get_recipe("vit-tiny"), saved, new_run=True)
+    # timm's val/ named again, apart from train/: trained
+    _train(tmp_path, "ok", timm, "--data.val-path", str(timm / "val"), "--steps", "1")
+
+
+def test_held_out_files_inside_the_training_folder_but_not_trained_on_are_taken(tmp_path):
+    """The overlap checks compared paths: an MNIST folder's own t10k file (or a CIFAR folder's
+    test_batch) as --data.test-path or --data.val-path was refused as inside --data.path,
+    though the folder trains on its train-* files (data_batch_*) alone. They now compare the
+    files read: those are taken, a training file named is still refused."""
+    from image_files import fake_pair
+
+    from toymlx.recipes import get_recipe
+    from toymlx.recipes.vit_tiny import Config, ImageData
+    from toymlx.training.task import check_config
+
+    mnist = tmp_path / "mnist"
+    mnist.mkdir()
+    fake_pair(mnist, "train", 20, seed=1)
+    t10k = fake_pair(mnist, "t10k", 10, seed=2)
+    cifar = make_cifar10(tmp_path / "cifar")
+    recipe = get_recipe("vit-tiny")
+    for folder, held in ((mnist, t10k), (cifar, cifar / "test_batch")):
+        check_config(recipe, Config(data=ImageData(path=str(folder), test_path=str(held))),
+                     new_run=True)
+        check_config(recipe, Config(data=ImageData(path=str(folder), val_path=str(held))),
+                     new_run=True)
+    for folder, trained in ((mnist, mnist / "train-images-idx3-ubyte"),
+                            (cifar, cifar / "data_batch_2")):
+        with pytest.raises(ValueError) as e:
+            check_config(recipe, Config(data=ImageData(path=str(folder), test_path=str(trained))),
+                         new_run=True)
+        assert str(e.value) == (
+            "--data.test-path: expected images apart from --data.path (a test set is never "
+            f"trained or validated on), found {trained}, which overlaps {folder}")
+
+
+def test_a_folder_of_images_without_class_folders_says_so(tmp_path, capsys):
+    """One class's folder given as --data.path said "no images found" of a folder of images."""
+    from cli_errors import error_line
+
+    root = make_image_folder(tmp_path / "d", per_class=3)
+    assert train_main(["--recipe", "vit-tiny", *TINY, "--data.path", str(root / "cat"),
+                       "--runs-root", str(tmp_path / "runs")]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {root / 'cat'}: 3 images and no class subfolders: expected "
+        "class subfolders of image files (ImageFolder: an image's class is its folder's name); "
+        f"give the folder that holds the class folders (as {root} holds cat/), or put each "
+        "class's images in a subfolder named for it")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_val_fraction_out_of_range_names_the_flag(tmp_path, capsys):
     """vit-tiny --data.val-fraction 1 said "val_fraction: expected a value in [0, 1)", the
     loader's argument, not the flag (lora's says --data.val-fraction)."""

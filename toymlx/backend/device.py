@@ -884,12 +884,22 @@ def _ranks_on_this_host() -> int:
         return 1
 
 
+def torch_device_hint(value: object) -> str:
+    """After a --device value refused: PyTorch's GPU names (nanoGPT's device='cuda', a Mac's
+    'mps') as toymlx's gpu ("; PyTorch's cuda ... is gpu here"); "" for any other value."""
+    if not (isinstance(value, str) and re.fullmatch(r"cuda(:\d+)?|mps", value)):
+        return ""
+    return (f"; PyTorch's {value} (nanoGPT's device) is gpu here: MLX's GPU, Metal on a Mac, "
+            "CUDA elsewhere")
+
+
 def select_device(name: str = "auto"):
     """Make `name` (auto|gpu|cpu) MLX's default device and return it."""
     import mlx.core as mx  # here, not at the top: this module loads before mlx.core
 
     if name not in ("auto", "gpu", "cpu"):
-        raise ValueError(f"--device: expected one of auto, gpu, cpu; found {name!r}")
+        raise ValueError(f"--device: expected one of auto, gpu, cpu; found {name!r}"
+                         f"{torch_device_hint(name)}")
     has_gpu = mx.is_available(mx.gpu)
     if name == "gpu" and not has_gpu:
         raise ValueError("--device gpu: MLX has no GPU backend on this machine; use --device cpu")

@@ -150,11 +150,12 @@ def hidden_below(name: Path, folder: str | os.PathLike) -> bool:
 def names_below(folder: str | os.PathLike) -> Iterator[Path]:
     """Every name below `folder` that is not a folder (files, links to nothing, FIFOs: the
     caller decides), through linked subfolders as torchvision's ImageFolder walks them, each
-    real folder once (a link back up the tree is not followed again); hidden names are kept.
-    Data folders are read with it and fingerprinted with it, so a linked class folder is both
-    trained on and part of what a resume checks. ValueError naming a linked subfolder that
-    holds `folder` (`cat/loop -> ..`): through it the walk read the folders beside `folder`, so
-    an ImageFolder's class took the other classes' images, without a word."""
+    real folder once; hidden names are kept. Every data folder (an ImageFolder's classes, a
+    folder of text files) is read with it and fingerprinted with it, so a linked class folder
+    is both trained on and part of what a resume checks. ValueError naming a linked subfolder
+    back up the tree, to a folder holding the link (`cat/up -> ..`, `notes/sub/up -> ..`): one
+    that holds `folder` read the folders beside it (an ImageFolder's class took the other
+    classes' images), one within it was skipped; both without a word, and by two rules."""
     seen = set()
     start = os.path.realpath(folder)
     for top, dirs, names in os.walk(folder, followlinks=True):
@@ -165,10 +166,13 @@ def names_below(folder: str | os.PathLike) -> Iterator[Path]:
         seen.add(real)
         for link in (os.path.join(top, d) for d in dirs if os.path.islink(os.path.join(top, d))):
             target = os.path.realpath(link)
-            if start.startswith(target.rstrip(os.sep) + os.sep):  # `folder` itself: read once
-                raise ValueError(f"{link}: expected a file or a folder within {folder}, "
-                                 f"found a link back up to {target}, which holds it: the names "
-                                 "beside it would be read as this folder's; remove the link")
+            if real == target or real.startswith(target.rstrip(os.sep) + os.sep):
+                why = ("the names beside it would be read as this folder's"
+                       if start.startswith(target.rstrip(os.sep) + os.sep) else
+                       "a loop, its names read again through it")
+                raise ValueError(f"{link}: expected a file or a folder within {folder}, found a "
+                                 f"link back up to {target}, which holds it: {why}; remove the "
+                                 "link")
         dirs.sort()
         for name in sorted(names):
             yield Path(top, name)

@@ -454,11 +454,25 @@ def hf_model_folder(folder: str | os.PathLike) -> str | None:
     if (folder.is_dir() and (folder / "config.json").is_file()
             and not (folder / EVENTS_FILE).is_file() and not (folder / "weights").exists()
             and (st := sorted(p.name for p in folder.glob("*.safetensors")))):
+        if is_timm_config(folder / "config.json"):  # toymlx-export --format safetensors's
+            return (f"a timm model folder (config.json and {shortlist(st, 2)}, as "
+                    "toymlx-export --format safetensors writes from a run; toymlx reads the "
+                    "run, or a GGUF of its weights/)")
         # mlx-lm's --model (an mlx-community conversion, a transformers checkpoint): its
         # config.json made it look like a run that had written no checkpoint yet
         return (f"a Hugging Face model folder (config.json and {shortlist(st, 2)}, as mlx-lm's "
                 "--model takes; toymlx reads that model's GGUF file instead)")
     return None
+
+
+def is_timm_config(path: Path) -> bool:
+    """Whether `path` is timm's hub config.json (its `architecture` and `pretrained_cfg`, as
+    `toymlx.interop.timm_export` writes), not a transformers model's (`architectures`)."""
+    try:
+        cfg = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(cfg, dict) and "architecture" in cfg and "pretrained_cfg" in cfg
 
 
 def not_one_run(folder: str | os.PathLike) -> str | None:

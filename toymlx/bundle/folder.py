@@ -397,12 +397,25 @@ def save_config(run_dir: Path, recipe: str, cfg: Any) -> None:
 
 
 
+def _file_found(path: Path, flag: str) -> str:
+    """What a file given as a run folder is: a file of a run (timm's and HF Trainer's --resume
+    take a checkpoint file) names its run, and a checkpoint given to --resume the --from that
+    goes on from it; any other, "a file"."""
+    run = path.parent.parent if path.parent.name == "weights" else path.parent
+    if not (run / CONFIG_FILE).is_file():
+        return "a file"
+    step = ck.checkpoint_step(Path(os.path.realpath(path)))
+    start = ("" if flag != "--resume" or step is None or path.name == ck.LATEST
+             else f" (--from step_{step}: from this checkpoint, not the newest)")
+    return f"a file of the run {run}; name the run: {run}{start}"
+
+
 def read_config(run_dir: Path, flag: str) -> dict[str, Any]:
     """config.json as saved, checked for shape (not yet types): recipe, config, data_files."""
     p = run_dir / CONFIG_FILE
     if not run_dir.is_dir():
         raise RunError(f"{run_dir}: {flag}: expected a run bundle folder, found "
-                       f"{'a file' if run_dir.exists() else 'nothing'}")
+                       f"{_file_found(run_dir, flag) if run_dir.exists() else 'nothing'}")
     if kind := special_kind(p):
         raise RunError(f"{p}: {flag}: expected the run's saved config (a JSON file), found {kind}")
     try:

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 import tyro
 
+from toymlx.backend.device import torch_device_hint
+
 
 @dataclass
 class RunOptions:
@@ -241,7 +243,8 @@ def config_from_dict(cls: type, d: dict[str, Any], source: str = "saved config",
             kw[k] = _coerce(hints[k], v, prefix + k, source, complete)
         except _Mismatch as m:
             raise RunError(f"{source}: key {prefix + k!r}: expected {m.expected}, found "
-                           f"{found_text(v)}; " + ("fix it to the run's value" if complete else
+                           f"{found_text(v)}{torch_device_hint(v) if k == 'device' else ''}; "
+                           + ("fix it to the run's value" if complete else
                                                "fix it, or remove the key to take its default")
                            ) from None
     missing = [k for k in names if k not in d and k not in optional]

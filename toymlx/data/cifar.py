@@ -121,12 +121,20 @@ def _check_names(names: list[str], y: np.ndarray, where: str) -> list[str]:
     return names
 
 
-def _folder_members(path: Path) -> dict[str, Any]:
-    """{file name: reader} for the batch files in `path` or its one subfolder that has them."""
+def batch_files(path: Path, trained: bool = False) -> list[Path]:
+    """The files of a CIFAR folder's batches: in `path` or its one subfolder that has the meta
+    file; `trained`: the training batches alone (not test_batch, test or the meta file)."""
     for d in [path, *sorted(p for p in path.iterdir() if p.is_dir())]:
         if (d / "batches.meta").exists() or (d / "meta").exists():
-            return {p.name: (lambda p=p: read_file(p)) for p in d.iterdir() if p.is_file()}
-    return {}
+            train = {n for layout in _LAYOUTS for n in layout[0]}
+            return sorted(p for p in d.iterdir() if p.is_file() and (not trained
+                                                                     or p.name in train))
+    return []
+
+
+def _folder_members(path: Path) -> dict[str, Any]:
+    """{file name: reader} for the batch files in `path` or its one subfolder that has them."""
+    return {p.name: (lambda p=p: read_file(p)) for p in batch_files(path)}
 
 
 def _archive_members(path: Path) -> dict[str, Any]:

@@ -39,18 +39,20 @@ from PIL import Image
 from toymlx.backend.files import counted, nothing_there, shortlist
 from toymlx.data import augment as A
 from toymlx.data import fixture_path
-from toymlx.data.cifar import is_cifar, load_cifar
+from toymlx.data.cifar import batch_files, is_cifar, load_cifar
 from toymlx.data.image_folder import (
     IMAGE_EXTENSIONS,
     SPLIT_NAMES,
     ImageDataError,
     ImageFiles,
+    files_below,
     not_read_note,
     probe,
     read_file,
     resize_and_crop,
     scan_image_folder,
     split_folders,
+    subfolders,
 )
 
 SPLIT_SEED = 20240601
@@ -213,6 +215,14 @@ def _load_arrays(p: Path) -> Raw:
         if train or test:
             x, y = load_idx(train or test)
             return Raw(x, y, str(train or test), scale=_pixel_scale(x))
+        loose = sum(1 for f in p.iterdir() if not f.name.startswith(".")
+                    and f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file())
+        if loose:  # one class's folder, or a flat folder of unlabelled images
+            raise ImageDataError(
+                f"{p}: {counted(loose, 'image')} and no class subfolders: expected class "
+                "subfolders of image files (ImageFolder: an image's class is its folder's "
+                f"name); give the folder that holds the class folders (as {p.parent} holds "
+                f"{p.name}/), or put each class's images in a subfolder named for it")
         raise ImageDataError(f"{p}: no images found: expected class subfolders of image files "
                              "(ImageFolder), CIFAR python batches, or IDX files "
                              "(train-/t10k-images-idx3-ubyte[.gz] with their labels)")
@@ -249,6 +259,29 @@ def files_read(path: str | Path) -> tuple[str, ...] | None:
     images (not a notes.txt beside them, which a resume's data check then ignores); None for
     other data (all of a CIFAR or IDX folder's files)."""
     return IMAGE_EXTENSIONS if _is_image_folder(Path(path)) else None
+
+
+def source_files(path: str | Path, trained: bool = False) -> list[Path]:
+    """The files `load_images` reads from `path` (an ImageFolder's images in its class folders;
+    an IDX folder's images and labels; a CIFAR folder's batches; a file as itself), or with
+    `trained` those its training images come from (an IDX folder's train-* beside t10k-*, a
+    CIFAR folder's training batches: not their official test set); of a folder of images
+    without class folders (one class's, refused by the loader), its images; none where `path`
+    is not there (the loader says so)."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    if _is_image_folder(p):
+        return [f for d in subfolders(p) for f in files_below(d)[0]]
+    if is_cifar(p) and p.is_dir():
+        return batch_files(p, trained)
+    if not p.is_dir():
+        return [p]
+    train, test = _idx_in_dir(p, "train"), _idx_in_dir(p, "t10k")
+    if not (train or test):
+        return files_below(p)[0]  # a class's folder: its images
+    read = [train] if trained and train and test else [f for f in (train, test) if f]
+    return [f for images in read for f in (images, _labels_for(images))]
 
 
 def _load_raw(path: str | None, size: int | None, channels: int | None,

@@ -68,10 +68,11 @@ class Classifier:
         if vocab_only:  # whatever its architecture: no command runs it (not toymlx-generate)
             raise GGUFError(f"{path}: expected a ViT checkpoint (an image classifier), found "
                             f"a {arch!r} vocabulary only: {VOCAB_ONLY}")
-        if arch in ARCHS:  # a language model's run or file
-            raise GGUFError(f"{path}: metadata key 'general.architecture': expected 'vit' (an "
+        if arch in ARCHS:  # a language model's run or file: named as typed, its file beside
+            given = path if Path(model) == path else f"{model} ({path})"
+            raise GGUFError(f"{given}: metadata key 'general.architecture': expected 'vit' (an "
                             f"image classifier), found {arch!r}, a language model: "
-                            f"toymlx-generate --model {path} uses it")
+                            f"toymlx-generate --model {model} uses it")
         vit, norm, g = load_vit(path)
         vit.eval()
         c = vit.args.channels

@@ -110,6 +110,63 @@ def export_type(g: GGUFFile) -> str:
     return own_type(g, BASE_FILE_TYPE if BASE_FILE_TYPE in g.metadata else "general.file_type")
 
 
+FLOAT_TENSOR_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                      GGMLQuantizationType.BF16)
+BLOCK = 32
+"""The fewest values any quantized type's block holds (Q8_0, Q4_0, ...; the k-quants 256)."""
+
+
+def block_type(dtype: str) -> GGMLQuantizationType:
+    """The tensor type whose blocks an export type is named for (q4_k_m: Q4_K, iq4_xs: IQ4_XS)."""
+    return GGMLQuantizationType[re.sub(r"(_K)_[SML]$", r"\1", dtype.upper())]
+
+
+def _named(tensors: list[tuple[str, Any]]) -> str:
+    """Tensor names, each block's alike as one `blk.*.NAME (count)`."""
+    seen: dict[str, list[str]] = {}
+    for name, _ in tensors:
+        seen.setdefault(re.sub(r"^blk\.\d+\.", "blk.*.", name), []).append(name)
+    return ", ".join(names[0] if len(names) == 1 else f"{key} ({len(names)})"
+                     for key, names in seen.items())
+
+
+def unquantized_note(path: str | os.PathLike, dtype: str) -> str | None:
+    """For a file written in a quantized `dtype`, as one line: the matrices it names but does
+    not hold in that type, left by llama-quantize's fallbacks (said only in its log): rows not a
+    multiple of `BLOCK` stay F16 (gguf-py's writer refuses them), and a k-quant's rows not a
+    multiple of its 256 take a 32-value block type (Q5_0, Q8_0, IQ4_NL, ...), named with the
+    tensors that got each; None where every matrix is in `dtype`'s blocks or `dtype` is a float
+    type."""
+    if dtype in ("f32", "f16", "bf16"):
+        return None
+    mats = [(n, t) for n, t in GGUFFile(path).tensors.items() if len(t.shape) == 2]
+    notes = []
+    left = [t for _, t in mats if t.type in FLOAT_TENSOR_TYPES and t.shape[-1] % BLOCK]
+    if left:
+        kinds = sorted({t.type.name for t in left})
+        rows = sorted({t.shape[-1] for t in left})
+        notes.append(
+            f"{len(left)} of its {len(mats)} matrices stay {'/'.join(kinds)}, not {dtype}: their "
+            f"rows ({', '.join(map(str, rows))} values) are not a multiple of the {BLOCK} a "
+            "quantized block holds; a model whose widths (--model.d-model, --model.ffn-dim) "
+            "are multiples of 32 (256 for k-quants) quantizes them all")
+    asked = block_type(dtype)
+    per_block = GGML_QUANT_SIZES[asked][0]
+    fell = [(n, t) for n, t in mats if t.type not in FLOAT_TENSOR_TYPES
+            and GGML_QUANT_SIZES[t.type][0] < per_block and t.shape[-1] % per_block]
+    if fell:
+        rows = sorted({t.shape[-1] for _, t in fell})
+        got = "; ".join(f"{k}: {_named([m for m in fell if m[1].type.name == k])}"
+                        for k in sorted({t.type.name for _, t in fell}))
+        notes.append(
+            f"{len(fell)} of its {len(mats)} matrices are quantized in a {BLOCK}-value block "
+            f"type, not {dtype}'s {per_block}-value {asked.name}: their rows "
+            f"({', '.join(map(str, rows))} values) are not a multiple of {per_block}, and "
+            f"llama.cpp's quantizer fell back ({got}); widths that are multiples of "
+            f"{per_block} get {dtype}'s own blocks")
+    return "; ".join(notes) or None
+
+
 def llama_cpp_module() -> Any | None:
     """llama-cpp-python, if installed (it carries llama.cpp's quantizer), else None."""
     try:

@@ -34,10 +34,21 @@ MAGIC = b"GGUF"
 
 def not_gguf_kind(head: bytes, size: int) -> str:
     """What a file that is not a GGUF is, by its first bytes `head` (of `size`), as ": KIND"
-    after "not a GGUF file" ("" where unknown): Hugging Face's safetensors weights (an 8-byte
-    header length, then its JSON) with the converter that makes a GGUF of them, or text (a
-    data file given where a model goes)."""
+    after "not a GGUF file" ("" where unknown): a run's optimizer state or the timm export,
+    toymlx's own safetensors, with what to read instead; Hugging Face's safetensors weights
+    (an 8-byte header length, then its JSON) with the converter that makes a GGUF of them, or
+    text (a data file given where a model goes)."""
     n = int.from_bytes(head[:8], "little") if len(head) >= 9 else 0
+    if 2 <= n <= size - 8 and head[8:9] == b"{" and b'\\"checkpoint_id\\"' in head[:n + 8]:
+        # `checkpoint.state_path`'s: its metadata's "toy" record names the checkpoint
+        return (": a toymlx run's optimizer state, which --resume reads beside its checkpoint; "
+                "the weights are the .gguf of the same step beside it")
+    if 2 <= n <= size - 8 and head[8:9] == b"{" and any(
+            k in head[:n + 8] for k in (b'"timm_architecture"', b'"label_names"')):
+        # toymlx-export --format safetensors's, for timm (convert_hf_to_gguf.py takes no ViT):
+        # its metadata's keys in order, a long label_names before timm_architecture
+        return (": timm safetensors weights, as toymlx-export --format safetensors writes "
+                "from a run; toymlx reads the run, or a GGUF of its weights/")
     if 2 <= n <= size - 8 and head[8:9] == b"{":
         return (": Hugging Face safetensors weights; llama.cpp's convert_hf_to_gguf.py makes "
                 "a GGUF of the model's folder")

@@ -60,7 +60,7 @@ from toymlx.gguf.llama import (
     load_llama_into,
 )
 from toymlx.gguf.quant import projection_types
-from toymlx.gguf.quantize import EXPORT_TYPES, export_type, quantizer
+from toymlx.gguf.quantize import EXPORT_TYPES, export_type, quantizer, unquantized_note
 from toymlx.gguf.reader import GGUFError, GGUFFile
 from toymlx.models.layers import model_bytes
 from toymlx.models.lora import (
@@ -571,6 +571,7 @@ def build(cfg: Config, ops: Ops) -> Task:
             else:
                 write_reencoded(out, run_dir, None, dtype, progress=bars, run_data=run)
                 kept = None
+            warn_unquantized(out, dtype)
             return {"path": out.name, "type": dtype, "quantizer": quantizer(dtype),
                     "bytes": out.stat().st_size,
                     **({"fine_tune_kept": round(kept, 4)} if kept is not None else {})}
@@ -583,8 +584,15 @@ def build(cfg: Config, ops: Ops) -> Task:
             if kept < KEPT_WARNING:
                 print(f"toymlx: {out} {kept_note(retention, dtype, '--fuse-at-end')}",
                       file=sys.stderr)
+        warn_unquantized(out, dtype)
         return {"path": out.name, "type": dtype, "quantizer": quantizer(dtype),
                 "bytes": out.stat().st_size, "adapter_kept": round(kept, 4)}
+
+    def warn_unquantized(out: Path, dtype: str) -> None:
+        """The matrices a type asked for (not "base": the base's own types) left out of it, as
+        toymlx-export's --dtype says them."""
+        if cfg.fuse_at_end != "base" and (left := unquantized_note(out, dtype)):
+            print(f"toymlx: warning: {out}: {left}", file=sys.stderr)
 
     def export_later(run_dir: Path) -> str:
         """The toymlx-export line that writes the file `finish` writes, beside the run

@@ -11,6 +11,7 @@ follows the image and set size (`augment_for`) unless a `--data.*` flag says oth
 from __future__ import annotations
 
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -19,7 +20,14 @@ import mlx.core as mx
 import numpy as np
 
 from toymlx.data.image_folder import split_folders
-from toymlx.data.images import Augment, ImageSet, Prefetcher, files_read, load_images
+from toymlx.data.images import (
+    Augment,
+    ImageSet,
+    Prefetcher,
+    files_read,
+    load_images,
+    source_files,
+)
 from toymlx.gguf.vit import RECORDED_CLASS_NAMES, class_names_sha256, load_vit, write_vit
 from toymlx.models.checks import ArgsError
 from toymlx.models.losses import classify_metrics
@@ -214,15 +222,40 @@ def validate(cfg: Config) -> None:
                          "none (a CIFAR or MNIST folder as --data.path validates on its official "
                          "test set at every eval already)")
     if d.test_path is not None:
-        test = Path(d.test_path).resolve()
-        split = split_folders(d.path) if d.path is not None else None
-        trained = str(split["train"]) if split else d.path  # timm's layout: its train/
-        for flag, other in (("--data.path", trained), ("--data.val-path", d.val_path)):
-            if other is not None and (test.is_relative_to(Path(other).resolve())
-                                      or Path(other).resolve().is_relative_to(test)):
-                raise ValueError(f"--data.test-path: expected images apart from {flag} (a test "
-                                 f"set is never trained or validated on), found {d.test_path}, "
-                                 f"which overlaps {other}")
+        for flag, other in (("--data.path", _trained(d)), ("--data.val-path", d.val_path)):
+            _apart("--data.test-path", d.test_path, flag, other, "a test set is never trained or "
+                   "validated on")
+
+
+def check_applies(cfg: Config, given: Collection[str] = ()) -> None:
+    """A new run's options that `validate` cannot refuse in a saved run, which goes on as it
+    was started: a --data.val-path overlapping the training images (a run started so before
+    toymlx refused it still resumes)."""
+    if cfg.data.val_path is not None:
+        _apart("--data.val-path", cfg.data.val_path, "--data.path", _trained(cfg.data),
+               "a validation set is never trained on")
+
+
+def _trained(d: ImageData) -> str | None:
+    """The folder or file the run trains on: timm's layout's train/, else --data.path."""
+    split = split_folders(d.path) if d.path is not None else None
+    return str(split["train"]) if split else d.path
+
+
+def _apart(which: str, held: str, flag: str, other: str | None, never: str) -> None:
+    """ValueError where the held-out set `held` (--data.val-path, --data.test-path) and `other`
+    (--data.path: the files its training images come from; --data.val-path: all it reads),
+    one in or holding the other, share a file: its score would be of images trained on (an
+    MNIST folder's own t10k file is not: the folder trains on its train-* files alone)."""
+    if other is None:
+        return
+    inside, outside = Path(held).resolve(), Path(other).resolve()
+    if not (inside.is_relative_to(outside) or outside.is_relative_to(inside)):
+        return
+    read = {f.resolve() for f in source_files(other, trained=flag == "--data.path")}
+    if any(f.resolve() in read for f in source_files(held)):
+        raise ValueError(f"{which}: expected images apart from {flag} ({never}), found {held}, "
+                         f"which overlaps {other}")
 
 
 def auto_patch(side: int) -> int:
