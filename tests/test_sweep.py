@@ -80,6 +80,18 @@ def test_grid_rejects_bad_keys_and_clashes():
         assert str(e.value) == (f"--grid {key}: expected an option of recipe from-scratch, "
                                 f"found no option --{key.replace('_', '-')} (did you mean "
                                 f"{want}?)")
+    # --grid recipe=lora said "found no option --recipe", as if no sweep could vary it
+    with pytest.raises(ValueError) as e:
+        sweep.parse_axis("recipe=lora,from-scratch", "from-scratch")
+    assert str(e.value) == ("--grid recipe: expected an option of the runs, found --recipe, the "
+                            "sweep's own flag (one sweep runs one recipe); to compare recipes, "
+                            "run one sweep for each (toymlx-sweep --recipe lora ..., then "
+                            "toymlx-sweep --recipe from-scratch ...)")
+    # --grid run-id=a,b ran (minutes each) and every run failed, its folder not the sweep's
+    with pytest.raises(ValueError) as e:
+        sweep.grid([], {"run-id": ["a", "b"]}, recipe="from-scratch")
+    assert str(e.value) == ("--grid run-id: expected an option of the runs, found --run-id, "
+                            "which the sweep sets for each run; remove it")
 
 
 def test_parse_axis_types_values_by_the_recipe():

@@ -126,13 +126,22 @@ def _check_key(key: str, types: dict[str, Any], recipe: str | None,
                where: str | None = None) -> None:
     """ValueError (starting with `where`, default `--grid KEY`) unless `key` is an option of
     the recipe."""
-    key_to_flag(key)
+    flag = key_to_flag(key)
+    where = where or f"--grid {key}"
+    if flag == "--recipe":
+        raise ValueError(f"{where}: expected an option of the runs, found --recipe, the sweep's "
+                         "own flag (one sweep runs one recipe); to compare recipes, run one "
+                         "sweep for each (toymlx-sweep --recipe lora ..., then toymlx-sweep "
+                         "--recipe from-scratch ...)")
+    if flag in RESERVED:  # --grid run-id=a,b ran each run under a folder the sweep then lost
+        raise ValueError(f"{where}: expected an option of the runs, found {flag}, which the "
+                         "sweep sets for each run; remove it")
     if types and _norm_key(key) not in types:
         close = ([k for k in types if k.rsplit(".", 1)[-1] == _norm_key(key).rsplit(".", 1)[-1]]
                  or difflib.get_close_matches(_norm_key(key), types, n=1))  # lrr: lr
         hint = f" (did you mean {close[0]}?)" if close else ""
-        raise ValueError(f"{where or f'--grid {key}'}: expected an option of recipe {recipe}, "
-                         f"found no option {key_to_flag(key)}{hint}")
+        raise ValueError(f"{where}: expected an option of recipe {recipe}, "
+                         f"found no option {flag}{hint}")
 
 
 def _flags(key: str, value: Any, types: dict[str, Any]) -> list[str]:
