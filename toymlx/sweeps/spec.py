@@ -416,17 +416,17 @@ def _grid_changed(runs: Iterable[Mapping[str, Any]], specs: Sequence[RunSpec]) -
     """What `changed_options` says of a grid of other keys than the recorded runs' (None: the
     same keys, in the same order): its runs, named by other keys, matched none recorded, and
     the two grids shared one sweep folder, table and report (`--grid lr=...`, then
-    `--grid lora.rank=...` under the same --sweep-id)."""
-    then = list(dict.fromkeys(tuple(r["params"]) for r in runs
-                              if isinstance(r.get("params"), dict)))
+    `--grid lora.rank=...` under the same --sweep-id). The record holds one grid's runs:
+    `_check_one_grid` refuses a mixed one first."""
+    then = next((tuple(r["params"]) for r in runs if isinstance(r.get("params"), dict)), None)
     now = tuple(specs[0].params) if specs else ()
-    if not then or now in then:
+    if then is None or now == then:
         return None
     # the same keys in another order name the same runs otherwise (lr=0.001_lora.rank=4 and
     # lora.rank=4_lr=0.001): each would run twice
-    order = ": runs are named by the keys in order" if set(now) in map(set, then) else ""
-    return (f"the grid's keys ({_grid_keys(now)} now, "
-            f"{' or '.join(map(_grid_keys, then))} when the sweep started{order})")
+    order = ": runs are named by the keys in order" if set(now) == set(then) else ""
+    return (f"the grid's keys ({_grid_keys(now)} now, {_grid_keys(then)} when the sweep "
+            f"started{order})")
 
 
 def _was(key: str, now: str, then: str) -> str:
