@@ -557,9 +557,9 @@ sys.exit(child.returncode)
 
 def test_a_killed_run_is_said_to_resume_from_its_checkpoints_and_does(tmp_path, capsys):
     """A run killed mid-way (kill -9, the out-of-memory killer): the sweep said "FAILED ...
-    killed by SIGKILL" and the table "torn", and nothing said that the same command resumes it
-    from its checkpoints, not from step 0 (the full disk's line said so of its runs alone), nor,
-    running it again, that it does."""
+    killed by SIGKILL" and the table "torn" (now both say torn), and nothing said that the same
+    command resumes it from its checkpoints, not from step 0 (the full disk's line said so of
+    its runs alone), nor, running it again, that it does."""
     killer = tmp_path / "killer"
     killer.write_text(KILLER.format(python=sys.executable))
     killer.chmod(0o755)
@@ -572,7 +572,8 @@ def test_a_killed_run_is_said_to_resume_from_its_checkpoints_and_does(tmp_path, 
     saved = [ev["step"] for ev in read_events(run) if ev["kind"] == "checkpoint"]
     assert len(saved) >= 2 and saved[-1] < 60
     err = capsys.readouterr().err
-    assert "sweep: FAILED lr=0.001: killed by SIGKILL" in err
+    assert "sweep: TORN lr=0.001: killed by SIGKILL" in err and "FAILED" not in err
+    assert _csv(tmp_path / "s" / "summary.csv")[0]["status"] == "torn"
     assert err.endswith("sweep: lr=0.001: its checkpoints are intact: run the same command "
                         "again; it resumes from them\n")
     result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="s", progress=False,

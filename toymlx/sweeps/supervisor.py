@@ -80,6 +80,11 @@ def run_state(run_dir: Path) -> str:
     return "resumable"
 
 
+def _torn(run_dir: Path) -> bool:
+    """Whether the run's bundle ends without a run_end (killed), as the table says `torn`."""
+    return run_dir.is_dir() and report.run_status(read_events(run_dir))[0] == "torn"
+
+
 def _has_checkpoint(run_dir: Path) -> bool:
     try:
         resolve_latest(run_dir)
@@ -270,7 +275,7 @@ class _Runner:
             r.release()
             return
         if step == "report":
-            r.state = "failed"  # as recorded by the bundle, or by the sweep if it has none
+            r.state, r.torn = "failed", _torn(r.dir)  # as recorded by the bundle, or the sweep
             r.absorb(read_events(r.dir))
             r.message = r.message or _recorded(self.sweep_dir, r, "message")
             r.release()
@@ -323,7 +328,7 @@ class _Runner:
         elif reason == "interrupted" or code in STOP_CODES or code == -signal.SIGINT:
             r.state = "interrupted"
         else:
-            r.state = "failed"
+            r.state, r.torn = "failed", _torn(r.dir)
             r.message = r.message or _why_failed(code, self.sweep_dir / "logs" /
                                                  f"{r.spec.name}.log")
         try:
@@ -452,7 +457,7 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     result.signal = runner.first
     for r in runs:
         if r.state in ("failed", "diverged"):
-            stream.write(f"sweep: {r.state.upper()} {r.spec.name}: {r.message} "
+            stream.write(f"sweep: {r.shown.upper()} {r.spec.name}: {r.message} "
                          f"(log: {sweep_dir / 'logs' / (r.spec.name + '.log')})\n")
             # a run killed (kill -9, out of memory) is resumed too, not started over: said,
             # as a full disk's is, where the line above said only how it failed
