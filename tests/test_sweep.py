@@ -1006,10 +1006,12 @@ def test_a_closed_terminal_or_kill_stops_the_sweep_with_its_summary(tmp_path, si
         assert f"step_{end['final_step']}.gguf" == os.readlink(d / "weights" / "latest")
 
 
-def test_a_run_another_process_owns_is_waited_for_then_left_alone(tmp_path):
+def test_a_run_another_process_owns_is_waited_for_then_left_alone(tmp_path, capsys):
     """The sweep never touches a bundle some live process still owns (here: holds its lock).
     It waits up to `busy_wait` seconds for the owner, as for a killed sweep's child writing
-    its last checkpoint, then leaves the run to it; an owner that ends in time is followed."""
+    its last checkpoint, then leaves the run to it, saying so and calling its best "so far"
+    (it called its one completed run the best, exit 0, while the other sweep's still
+    trained); an owner that ends in time is followed."""
     specs = sweep.grid([*TINY, "--steps", "4"], {"lr": [2e-3], "seed": [1, 2]})
     run = tmp_path / "o" / "lr=0.002_seed=1"
     run.mkdir(parents=True)
@@ -1025,6 +1027,13 @@ def test_a_run_another_process_owns_is_waited_for_then_left_alone(tmp_path):
         assert result.states == {"lr=0.002_seed=1": "elsewhere", "lr=0.002_seed=2": "done"}
         assert time.monotonic() - t0 >= 1.0
         assert (run / "config.json").read_text() == started  # untouched
+        err = capsys.readouterr().err
+        assert re.search(r"^sweep: best so far lr=0\.002_seed=2: val_loss [0-9.]+ at step 4 "
+                         r"\(lowest of 1 completed run; 1 run still running elsewhere\)$", err,
+                         re.MULTILINE), err
+        assert err.endswith("sweep: 1 run still running elsewhere, so this summary is partial: "
+                            f"the other process's end, or toymlx-report {tmp_path / 'o'} once "
+                            "they end, gives the whole sweep\n")
         threading.Timer(0.5, holder.kill).start()  # the owner ends while the sweep waits
         result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="o", progress=False,
                                  report_png=False, busy_wait=60.0)

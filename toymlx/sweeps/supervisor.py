@@ -452,7 +452,9 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
                      options_file, said, config_file)
     interrupted = runner.run()
 
-    result = summarize_sweep(sweep_dir, report_png=report_png, stream=stream)
+    elsewhere = [r.spec.name for r in runs if r.state == "elsewhere"]
+    result = summarize_sweep(sweep_dir, report_png=report_png, stream=stream,
+                             elsewhere=len(elsewhere))
     result.states = {r.spec.name: r.state for r in runs}
     result.signal = runner.first
     for r in runs:
@@ -470,6 +472,10 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
                              "it resumes from them\n")
         elif r.state == "elsewhere":
             stream.write(f"sweep: {r.spec.name}: skipped here: {r.message}\n")
+    if elsewhere:  # this sweep ended first: its table is not the sweep's result yet
+        stream.write(f"sweep: {counted(len(elsewhere), 'run')} still running elsewhere, so this "
+                     f"summary is partial: the other process's end, or toymlx-report "
+                     f"{sweep_dir} once they end, gives the whole sweep\n")
     if interrupted:
         stream.write("sweep: interrupted; run the same command again to resume\n")
     return result
