@@ -331,15 +331,16 @@ def test_the_runs_notes_are_said_once_each_naming_the_run_up_to_a_cap(tmp_path):
         "sweep: note 2 (lr=0.003): toymlx-train: --warmup 20 ... --lr 0.003",
         f"sweep: more than 2 notes from the runs: the rest are in their logs ({tmp_path / 'logs'})"]
     assert notes.lines("lr=0.01", ["toymlx: another note"]) == []
-    # at the end, which runs said each note shown: a later run's repeat was named nowhere
+    # at the end, which runs said each note shown: a later run's repeat was named nowhere;
+    # "started now": the runs of this invocation, not those an earlier one ran (skipped now)
     assert notes.lines("lr=0.01", [cut, cut, "toymlx-train: --warmup 20 ... --lr 0.003"]) == []
     assert notes.said_by(["lr=0.001", "lr=0.003", "lr=0.01"]) == [
-        "sweep: note 1 was said by every run started (3)",
-        "sweep: note 2 was said by 2 of the 3 runs started: lr=0.003, lr=0.01"]
+        "sweep: note 1 was said by every run started now (3)",
+        "sweep: note 2 was said by 2 of the 3 runs started now: lr=0.003, lr=0.01"]
     assert notes.said_by(["lr=0.001", "lr=0.003", "lr=0.01", "lr=0.1", "lr=1", "lr=10"],
                          names=2) == [
-        "sweep: note 1 was said by 3 of the 6 runs started: lr=0.001, lr=0.003, and 1 more",
-        "sweep: note 2 was said by 2 of the 6 runs started: lr=0.003, lr=0.01"]
+        "sweep: note 1 was said by 3 of the 6 runs started now: lr=0.001, lr=0.003, and 1 more",
+        "sweep: note 2 was said by 2 of the 6 runs started now: lr=0.003, lr=0.01"]
     assert notes.said_by(["lr=0.001"]) == []  # one run: its line named it
     # a run's note of run-options.json is the sweep's of the -c file it copies, said before
     # the runs (mlx-lm's `key 'adapter_path': not used` was said twice, once naming each)
@@ -442,7 +443,7 @@ def test_a_note_a_run_says_in_its_log_is_said_by_the_sweep_once(tmp_path, capsys
     assert len(warmup) == 1 and warmup[0] in (logs / "model.ffn_dim=64.log").read_text()
     assert [x for x in err if x.startswith("sweep: note ")] == [
         f"sweep: note 1 (model.ffn_dim=32): {warmup[0]}",
-        "sweep: note 1 was said by every run started (2)"]  # and at the end, that both said it
+        "sweep: note 1 was said by every run started now (2)"]  # and at the end, that both said it
 
 
 def test_failing_run_is_reported_and_the_others_complete(tmp_path, capsys):

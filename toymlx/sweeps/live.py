@@ -123,18 +123,20 @@ class RunNotes:
 
     def said_by(self, runs: Sequence[str], names: int = 4) -> list[str]:
         """For the sweep's end: which of `runs` (those this sweep started) said each note, by
-        its number (`sweep: note 2 was said by 2 of the 3 runs started: lr=0.001, lr=0.003`,
-        `names` at most, or `note 1 was said by every run started (3)`); none where one run was
-        started (its line named it)."""
+        its number (`sweep: note 2 was said by 2 of the 3 runs started now: lr=0.001,
+        lr=0.003`, `names` at most, or `note 1 was said by every run started now (3)`); none
+        where one run was started (its line named it). "now": runs an earlier sweep of the same
+        id ran, skipped this time, are not counted ("of the 3 runs started" read as the
+        sweep's all)."""
         if len(runs) < 2:
             return []
         out = []
         for i, who in enumerate(self.by.values(), 1):
             if len(who) == len(runs):
-                whom = f"every run started ({len(runs)})"
+                whom = f"every run started now ({len(runs)})"
             else:
                 more = f", and {len(who) - names} more" if len(who) > names else ""
-                whom = (f"{len(who)} of the {len(runs)} runs started: "
+                whom = (f"{len(who)} of the {len(runs)} runs started now: "
                         f"{', '.join(who[:names])}{more}")
             out.append(f"sweep: note {i} was said by {whom}")
         return out
