@@ -80,6 +80,18 @@ def test_grid_rejects_bad_keys_and_clashes():
         assert str(e.value) == (f"--grid {key}: expected an option of recipe from-scratch, "
                                 f"found no option --{key.replace('_', '-')} (did you mean "
                                 f"{want}?)")
+    # --grid recipe=lora said "found no option --recipe", as if no sweep could vary it
+    with pytest.raises(ValueError) as e:
+        sweep.parse_axis("recipe=lora,from-scratch", "from-scratch")
+    assert str(e.value) == ("--grid recipe: expected an option of the runs, found --recipe, the "
+                            "sweep's own flag (one sweep runs one recipe); to compare recipes, "
+                            "run one sweep for each (toymlx-sweep --recipe lora ..., then "
+                            "toymlx-sweep --recipe from-scratch ...)")
+    # --grid run-id=a,b ran (minutes each) and every run failed, its folder not the sweep's
+    with pytest.raises(ValueError) as e:
+        sweep.grid([], {"run-id": ["a", "b"]}, recipe="from-scratch")
+    assert str(e.value) == ("--grid run-id: expected an option of the runs, found --run-id, "
+                            "which the sweep sets for each run; remove it")
 
 
 def test_parse_axis_types_values_by_the_recipe():
@@ -319,15 +331,16 @@ def test_the_runs_notes_are_said_once_each_naming_the_run_up_to_a_cap(tmp_path):
         "sweep: note 2 (lr=0.003): toymlx-train: --warmup 20 ... --lr 0.003",
         f"sweep: more than 2 notes from the runs: the rest are in their logs ({tmp_path / 'logs'})"]
     assert notes.lines("lr=0.01", ["toymlx: another note"]) == []
-    # at the end, which runs said each note shown: a later run's repeat was named nowhere
+    # at the end, which runs said each note shown: a later run's repeat was named nowhere;
+    # "started now": the runs of this invocation, not those an earlier one ran (skipped now)
     assert notes.lines("lr=0.01", [cut, cut, "toymlx-train: --warmup 20 ... --lr 0.003"]) == []
     assert notes.said_by(["lr=0.001", "lr=0.003", "lr=0.01"]) == [
-        "sweep: note 1 was said by every run started (3)",
-        "sweep: note 2 was said by 2 of the 3 runs started: lr=0.003, lr=0.01"]
+        "sweep: note 1 was said by every run started now (3)",
+        "sweep: note 2 was said by 2 of the 3 runs started now: lr=0.003, lr=0.01"]
     assert notes.said_by(["lr=0.001", "lr=0.003", "lr=0.01", "lr=0.1", "lr=1", "lr=10"],
                          names=2) == [
-        "sweep: note 1 was said by 3 of the 6 runs started: lr=0.001, lr=0.003, and 1 more",
-        "sweep: note 2 was said by 2 of the 6 runs started: lr=0.003, lr=0.01"]
+        "sweep: note 1 was said by 3 of the 6 runs started now: lr=0.001, lr=0.003, and 1 more",
+        "sweep: note 2 was said by 2 of the 6 runs started now: lr=0.003, lr=0.01"]
     assert notes.said_by(["lr=0.001"]) == []  # one run: its line named it
     # a run's note of run-options.json is the sweep's of the -c file it copies, said before
     # the runs (mlx-lm's `key 'adapter_path': not used` was said twice, once naming each)
@@ -430,7 +443,7 @@ def test_a_note_a_run_says_in_its_log_is_said_by_the_sweep_once(tmp_path, capsys
     assert len(warmup) == 1 and warmup[0] in (logs / "model.ffn_dim=64.log").read_text()
     assert [x for x in err if x.startswith("sweep: note ")] == [
         f"sweep: note 1 (model.ffn_dim=32): {warmup[0]}",
-        "sweep: note 1 was said by every run started (2)"]  # and at the end, that both said it
+        "sweep: note 1 was said by every run started now (2)"]  # and at the end, that both said it
 
 
 def test_failing_run_is_reported_and_the_others_complete(tmp_path, capsys):
@@ -582,9 +595,9 @@ sys.exit(child.returncode)
 
 def test_a_killed_run_is_said_to_resume_from_its_checkpoints_and_does(tmp_path, capsys):
     """A run killed mid-way (kill -9, the out-of-memory killer): the sweep said "FAILED ...
-    killed by SIGKILL" and the table "torn", and nothing said that the same command resumes it
-    from its checkpoints, not from step 0 (the full disk's line said so of its runs alone), nor,
-    running it again, that it does."""
+    killed by SIGKILL" and the table "torn" (now both say torn), and nothing said that the same
+    command resumes it from its checkpoints, not from step 0 (the full disk's line said so of
+    its runs alone), nor, running it again, that it does."""
     killer = tmp_path / "killer"
     killer.write_text(KILLER.format(python=sys.executable))
     killer.chmod(0o755)
@@ -597,7 +610,8 @@ def test_a_killed_run_is_said_to_resume_from_its_checkpoints_and_does(tmp_path, 
     saved = [ev["step"] for ev in read_events(run) if ev["kind"] == "checkpoint"]
     assert len(saved) >= 2 and saved[-1] < 60
     err = capsys.readouterr().err
-    assert "sweep: FAILED lr=0.001: killed by SIGKILL" in err
+    assert "sweep: TORN lr=0.001: killed by SIGKILL" in err and "FAILED" not in err
+    assert _csv(tmp_path / "s" / "summary.csv")[0]["status"] == "torn"
     assert err.endswith("sweep: lr=0.001: its checkpoints are intact: run the same command "
                         "again; it resumes from them\n")
     result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="s", progress=False,
@@ -1030,10 +1044,12 @@ def test_a_closed_terminal_or_kill_stops_the_sweep_with_its_summary(tmp_path, si
         assert f"step_{end['final_step']}.gguf" == os.readlink(d / "weights" / "latest")
 
 
-def test_a_run_another_process_owns_is_waited_for_then_left_alone(tmp_path):
+def test_a_run_another_process_owns_is_waited_for_then_left_alone(tmp_path, capsys):
     """The sweep never touches a bundle some live process still owns (here: holds its lock).
     It waits up to `busy_wait` seconds for the owner, as for a killed sweep's child writing
-    its last checkpoint, then leaves the run to it; an owner that ends in time is followed."""
+    its last checkpoint, then leaves the run to it, saying so and calling its best "so far"
+    (it called its one completed run the best, exit 0, while the other sweep's still
+    trained); an owner that ends in time is followed."""
     specs = sweep.grid([*TINY, "--steps", "4"], {"lr": [2e-3], "seed": [1, 2]})
     run = tmp_path / "o" / "lr=0.002_seed=1"
     run.mkdir(parents=True)
@@ -1049,6 +1065,13 @@ def test_a_run_another_process_owns_is_waited_for_then_left_alone(tmp_path):
         assert result.states == {"lr=0.002_seed=1": "elsewhere", "lr=0.002_seed=2": "done"}
         assert time.monotonic() - t0 >= 1.0
         assert (run / "config.json").read_text() == started  # untouched
+        err = capsys.readouterr().err
+        assert re.search(r"^sweep: best so far lr=0\.002_seed=2: val_loss [0-9.]+ at step 4 "
+                         r"\(lowest of 1 completed run; 1 run still running elsewhere\)$", err,
+                         re.MULTILINE), err
+        assert err.endswith("sweep: 1 run still running elsewhere, so this summary is partial: "
+                            f"the other process's end, or toymlx-report {tmp_path / 'o'} once "
+                            "they end, gives the whole sweep\n")
         threading.Timer(0.5, holder.kill).start()  # the owner ends while the sweep waits
         result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="o", progress=False,
                                  report_png=False, busy_wait=60.0)

@@ -123,18 +123,20 @@ class RunNotes:
 
     def said_by(self, runs: Sequence[str], names: int = 4) -> list[str]:
         """For the sweep's end: which of `runs` (those this sweep started) said each note, by
-        its number (`sweep: note 2 was said by 2 of the 3 runs started: lr=0.001, lr=0.003`,
-        `names` at most, or `note 1 was said by every run started (3)`); none where one run was
-        started (its line named it)."""
+        its number (`sweep: note 2 was said by 2 of the 3 runs started now: lr=0.001,
+        lr=0.003`, `names` at most, or `note 1 was said by every run started now (3)`); none
+        where one run was started (its line named it). "now": runs an earlier sweep of the same
+        id ran, skipped this time, are not counted ("of the 3 runs started" read as the
+        sweep's all)."""
         if len(runs) < 2:
             return []
         out = []
         for i, who in enumerate(self.by.values(), 1):
             if len(who) == len(runs):
-                whom = f"every run started ({len(runs)})"
+                whom = f"every run started now ({len(runs)})"
             else:
                 more = f", and {len(who) - names} more" if len(who) > names else ""
-                whom = (f"{len(who)} of the {len(runs)} runs started: "
+                whom = (f"{len(who)} of the {len(runs)} runs started now: "
                         f"{', '.join(who[:names])}{more}")
             out.append(f"sweep: note {i} was said by {whom}")
         return out
@@ -146,6 +148,9 @@ class SweptRun:
     dir: Path
     state: str = "pending"
     """pending, waiting, running, done, skipped, failed, stopped, interrupted, elsewhere"""
+    torn: bool = False
+    """A failed run whose bundle ends without a run_end (killed: kill -9, out of memory): shown
+    `torn`, as the table and summary.csv say (`shown`), where the sweep's line said FAILED."""
     proc: subprocess.Popen | None = None
     lock: Lock | None = None
     """This sweep's claim on the run, held while its child trains."""
@@ -184,6 +189,11 @@ class SweptRun:
     wait_until: float = 0.0
     retry_at: float = 0.0
     """While "waiting" for another process to release the bundle: until when, and when next."""
+
+    @property
+    def shown(self) -> str:
+        """The run's state as the sweep's lines say it: `torn` for a failed run killed."""
+        return "torn" if self.state == "failed" and self.torn else self.state
 
     def absorb(self, events: list[dict]) -> None:
         for e in events:
@@ -253,7 +263,7 @@ class LiveView:
     def cells(self, r: SweptRun) -> list[str]:
         steps = f"{r.step}/{r.steps}" if r.steps else str(r.step or "-")
         wall = r.wall if r.wall is not None else (time.time() - r.started if r.started else None)
-        state = r.state + (f" ({r.phase})" if r.phase and r.state == "running" else "")
+        state = r.shown + (f" ({r.phase})" if r.phase and r.state == "running" else "")
         # a validation of an earlier step than the one shown says which
         val = f"{r.metric} {report.fmt(r.val)}" + (
             f" (step {r.val_step})" if r.val_step not in (None, r.step) else "")
@@ -297,7 +307,7 @@ class LiveView:
             if shown is not runs:
                 counts: dict[str, int] = {}
                 for r in runs:
-                    counts[r.state] = counts.get(r.state, 0) + 1
+                    counts[r.shown] = counts.get(r.shown, 0) + 1
                 text.append(", ".join(f"{n} {k}" for k, n in counts.items()))
             if self.drawn > len(text):  # a shorter table: clear the old tail too
                 text += [""] * (self.drawn - len(text))
@@ -307,7 +317,7 @@ class LiveView:
             self.drawn = len(text)
             return
         for r in runs:  # plain lines: a run's state, or a new validation figure
-            key = f"{r.state}|{r.val}"
+            key = f"{r.shown}|{r.val}"
             if self.last.get(r.spec.name) != key and r.state not in ("pending",):
                 self.last[r.spec.name] = key
                 c = self.cells(r)
@@ -330,7 +340,7 @@ class LiveView:
         the next line counts from `now`."""
         counts: dict[str, int] = {"running": 0}
         for r in runs:
-            counts[r.state] = counts.get(r.state, 0) + 1
+            counts[r.shown] = counts.get(r.shown, 0) + 1
         parts = []
         for r in (r for r in runs if r.state == "running"):
             n0, s0, t0 = self.timed.get(r.spec.name, (r.timed_steps, r.step_seconds, now))

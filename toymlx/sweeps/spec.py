@@ -126,13 +126,22 @@ def _check_key(key: str, types: dict[str, Any], recipe: str | None,
                where: str | None = None) -> None:
     """ValueError (starting with `where`, default `--grid KEY`) unless `key` is an option of
     the recipe."""
-    key_to_flag(key)
+    flag = key_to_flag(key)
+    where = where or f"--grid {key}"
+    if flag == "--recipe":
+        raise ValueError(f"{where}: expected an option of the runs, found --recipe, the sweep's "
+                         "own flag (one sweep runs one recipe); to compare recipes, run one "
+                         "sweep for each (toymlx-sweep --recipe lora ..., then toymlx-sweep "
+                         "--recipe from-scratch ...)")
+    if flag in RESERVED:  # --grid run-id=a,b ran each run under a folder the sweep then lost
+        raise ValueError(f"{where}: expected an option of the runs, found {flag}, which the "
+                         "sweep sets for each run; remove it")
     if types and _norm_key(key) not in types:
         close = ([k for k in types if k.rsplit(".", 1)[-1] == _norm_key(key).rsplit(".", 1)[-1]]
                  or difflib.get_close_matches(_norm_key(key), types, n=1))  # lrr: lr
         hint = f" (did you mean {close[0]}?)" if close else ""
-        raise ValueError(f"{where or f'--grid {key}'}: expected an option of recipe {recipe}, "
-                         f"found no option {key_to_flag(key)}{hint}")
+        raise ValueError(f"{where}: expected an option of recipe {recipe}, "
+                         f"found no option {flag}{hint}")
 
 
 def _flags(key: str, value: Any, types: dict[str, Any]) -> list[str]:
@@ -407,17 +416,17 @@ def _grid_changed(runs: Iterable[Mapping[str, Any]], specs: Sequence[RunSpec]) -
     """What `changed_options` says of a grid of other keys than the recorded runs' (None: the
     same keys, in the same order): its runs, named by other keys, matched none recorded, and
     the two grids shared one sweep folder, table and report (`--grid lr=...`, then
-    `--grid lora.rank=...` under the same --sweep-id)."""
-    then = list(dict.fromkeys(tuple(r["params"]) for r in runs
-                              if isinstance(r.get("params"), dict)))
+    `--grid lora.rank=...` under the same --sweep-id). The record holds one grid's runs:
+    `_check_one_grid` refuses a mixed one first."""
+    then = next((tuple(r["params"]) for r in runs if isinstance(r.get("params"), dict)), None)
     now = tuple(specs[0].params) if specs else ()
-    if not then or now in then:
+    if then is None or now == then:
         return None
     # the same keys in another order name the same runs otherwise (lr=0.001_lora.rank=4 and
     # lora.rank=4_lr=0.001): each would run twice
-    order = ": runs are named by the keys in order" if set(now) in map(set, then) else ""
-    return (f"the grid's keys ({_grid_keys(now)} now, "
-            f"{' or '.join(map(_grid_keys, then))} when the sweep started{order})")
+    order = ": runs are named by the keys in order" if set(now) == set(then) else ""
+    return (f"the grid's keys ({_grid_keys(now)} now, {_grid_keys(then)} when the sweep "
+            f"started{order})")
 
 
 def _was(key: str, now: str, then: str) -> str:

@@ -43,9 +43,10 @@ class SweepResult:
 
 
 def summarize_sweep(sweep_dir: str | os.PathLike, report_png: bool = True,
-                    stream: TextIO | None = None) -> SweepResult:
+                    stream: TextIO | None = None, elsewhere: int = 0) -> SweepResult:
     """Summary of every run listed in sweep_dir/sweep.json: printed, written as summary.csv
-    and summary.jsonl (best first), and drawn as report.png when matplotlib is installed."""
+    and summary.jsonl (best first), and drawn as report.png when matplotlib is installed;
+    `elsewhere`: how many of its runs another process (a sweep of the same id) still runs."""
     sweep_dir = Path(sweep_dir)
     stream = stream or sys.stderr
     names = report.sweep_order(sweep_dir)
@@ -74,7 +75,7 @@ def summarize_sweep(sweep_dir: str | os.PathLike, report_png: bool = True,
                 unwritten.append(_unwritten(stream, "report.png", e))
     if "summary.csv" not in unwritten:
         stream.write(f"sweep: summary in {sweep_dir / 'summary.csv'}\n")
-    if best := best_line(rows):
+    if best := best_line(rows, elsewhere):
         stream.write(best + "\n")
     return SweepResult(sweep_dir, rows, params, {}, unwritten=unwritten)
 
@@ -98,11 +99,13 @@ def recorded_states(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def best_line(rows: list[dict[str, Any]]) -> str | None:
+def best_line(rows: list[dict[str, Any]], elsewhere: int = 0) -> str | None:
     """"sweep: best RUN: METRIC VALUE at step S (lowest of N completed runs)", for `rows` best
     first (`report.sort_rows`): the table's first row, named as Optuna's best_trial is, with
     the number of runs exactly as good (a tie: vit-tiny's accuracy on a few images); None where
-    no completed run has a validation figure."""
+    no completed run has a validation figure. With runs still running `elsewhere` (another
+    sweep of the same id), "best so far", and how many: a sweep ending first called its one
+    completed run the best while the other's still trained."""
     done = [r for r in rows if r["status"] == "completed" and r.get("best") is not None]
     if not done:
         return None
@@ -119,8 +122,10 @@ def best_line(rows: list[dict[str, Any]]) -> str | None:
         digits = next(d for d in range(5, 18) if f"{x:.{d}g}" != f"{y:.{d}g}")
         value = f"{x:.{digits}g}"
         tie += f"; the next, {after[0]['run']}, {y:.{digits}g}"
-    return (f"sweep: best {b['run']}: {b['metric']} {value} at step {b['best_step']} ({most} "
-            f"of {counted(len(done), 'completed run')}{tie})")
+    if elsewhere:
+        tie += f"; {counted(elsewhere, 'run')} still running elsewhere"
+    return (f"sweep: best{' so far' if elsewhere else ''} {b['run']}: {b['metric']} {value} at "
+            f"step {b['best_step']} ({most} of {counted(len(done), 'completed run')}{tie})")
 
 
 def _unwritten(stream: TextIO, name: str, e: OSError) -> str:

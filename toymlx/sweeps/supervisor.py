@@ -80,6 +80,11 @@ def run_state(run_dir: Path) -> str:
     return "resumable"
 
 
+def _torn(run_dir: Path) -> bool:
+    """Whether the run's bundle ends without a run_end (killed), as the table says `torn`."""
+    return run_dir.is_dir() and report.run_status(read_events(run_dir))[0] == "torn"
+
+
 def _has_checkpoint(run_dir: Path) -> bool:
     try:
         resolve_latest(run_dir)
@@ -270,7 +275,7 @@ class _Runner:
             r.release()
             return
         if step == "report":
-            r.state = "failed"  # as recorded by the bundle, or by the sweep if it has none
+            r.state, r.torn = "failed", _torn(r.dir)  # as recorded by the bundle, or the sweep
             r.absorb(read_events(r.dir))
             r.message = r.message or _recorded(self.sweep_dir, r, "message")
             r.release()
@@ -330,7 +335,7 @@ class _Runner:
         elif reason == "interrupted" or code in STOP_CODES or code == -signal.SIGINT:
             r.state = "interrupted"
         else:
-            r.state = "failed"
+            r.state, r.torn = "failed", _torn(r.dir)
             r.message = r.message or _why_failed(code, self.sweep_dir / "logs" /
                                                  f"{r.spec.name}.log")
         try:
@@ -454,12 +459,14 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
                      options_file, said, config_file)
     interrupted = runner.run()
 
-    result = summarize_sweep(sweep_dir, report_png=report_png, stream=stream)
+    elsewhere = [r.spec.name for r in runs if r.state == "elsewhere"]
+    result = summarize_sweep(sweep_dir, report_png=report_png, stream=stream,
+                             elsewhere=len(elsewhere))
     result.states = {r.spec.name: r.state for r in runs}
     result.signal = runner.first
     for r in runs:
         if r.state in ("failed", "diverged"):
-            stream.write(f"sweep: {r.state.upper()} {r.spec.name}: {r.message} "
+            stream.write(f"sweep: {r.shown.upper()} {r.spec.name}: {r.message} "
                          f"(log: {sweep_dir / 'logs' / (r.spec.name + '.log')})\n")
             # a run killed (kill -9, out of memory) is resumed too, not started over: said,
             # as a full disk's is, where the line above said only how it failed
@@ -472,6 +479,10 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
                              "it resumes from them\n")
         elif r.state == "elsewhere":
             stream.write(f"sweep: {r.spec.name}: skipped here: {r.message}\n")
+    if elsewhere:  # this sweep ended first: its table is not the sweep's result yet
+        stream.write(f"sweep: {counted(len(elsewhere), 'run')} still running elsewhere, so this "
+                     f"summary is partial: the other process's end, or toymlx-report "
+                     f"{sweep_dir} once they end, gives the whole sweep\n")
     if interrupted:
         stream.write("sweep: interrupted; run the same command again to resume\n")
     return result
