@@ -437,6 +437,8 @@ HF_FLAGS: PeerFlags = {
     "max_grad_norm": (("grad_clip", "HF Trainer's max_grad_norm is toymlx's --grad-clip"),),
     "adam_beta2": (("beta2", ("HF Trainer's adam_beta2 is toymlx's --beta2 (HF's default 0.999; "
                               "toymlx's 0.95)")),),
+    "adam_beta1": (("beta1", "HF Trainer's adam_beta1 is toymlx's --beta1"),),
+    "adam_epsilon": (("adam_eps", "HF Trainer's adam_epsilon is toymlx's --adam-eps"),),
     "logging_steps": (("report_every", "HF Trainer's logging_steps is toymlx's --report-every"),),
     "eval_steps": (("eval_every", "HF Trainer's eval_steps is toymlx's --eval-every"),),
     "save_steps": (("checkpoint_every", "HF Trainer's save_steps is toymlx's --checkpoint-every"),),

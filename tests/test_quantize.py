@@ -718,8 +718,8 @@ def test_an_export_quantized_where_rows_do_not_fit_a_block_says_so(tmp_path, cap
     assert err[-1] == (
         f"toymlx-export: warning: {out}: {len(floats)} of its {len(mats)} matrices stay F16, not "
         "q4_k_m: their rows (48 values) are not a multiple of the 32 a quantized block holds; a "
-        "model whose widths (--model.d-model, --model.ffn-dim) are multiples of 32 (256 for "
-        "k-quants) quantizes them all; 1 of its 8 matrices are quantized in a 32-value block "
+        "model whose widths are multiples of 32 (256 for k-quants) quantizes them all (a new "
+        "model's: --model.d-model, --model.ffn-dim; a base's are its own); 1 of its 8 matrices are quantized in a 32-value block "
         "type, not q4_k_m's 256-value Q4_K: their rows (96 values) are not a multiple of 256, "
         "and llama.cpp's quantizer fell back (Q8_0: blk.0.ffn_down.weight); widths that are "
         "multiples of 256 get q4_k_m's own blocks")
@@ -749,8 +749,8 @@ def test_fuse_at_end_quantized_where_rows_do_not_fit_a_block_says_so(tmp_path, c
     assert left and len(left) < len(mats)  # ffn_down's rows (96) are whole blocks
     assert (f"toymlx: warning: {out}: {len(left)} of its {len(mats)} matrices stay F16, not "
             "q8_0: their rows (48 values) are not a multiple of the 32 a quantized block holds; "
-            "a model whose widths (--model.d-model, --model.ffn-dim) are multiples of 32 (256 "
-            "for k-quants) quantizes them all") in capsys.readouterr().err.splitlines()
+            "a model whose widths are multiples of 32 (256 for k-quants) quantizes them all (a "
+            "new model's: --model.d-model, --model.ffn-dim; a base's are its own)") in capsys.readouterr().err.splitlines()
 
 
 def test_k_quant_matrices_given_a_32_value_block_type_are_named(tmp_path):

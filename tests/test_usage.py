@@ -277,6 +277,9 @@ def test_unsloths_notebook_settings_name_toymlxs_options(capsys, tmp_path, monke
      "HF Trainer's output_dir is toymlx's --runs-root and --run-id (runs/RUN_ID)"),
     ("lora", ["--save-steps", "10"], "HF Trainer's save_steps is toymlx's --checkpoint-every"),
     ("lora", ["--eval_steps", "10"], "HF Trainer's eval_steps is toymlx's --eval-every"),
+    # before: adam_epsilon "did you mean --adam-eps?" at best, adam_beta1 no hint
+    ("lora", ["--adam_epsilon", "1e-6"], "HF Trainer's adam_epsilon is toymlx's --adam-eps"),
+    ("lora", ["--adam-beta1=0.9"], "HF Trainer's adam_beta1 is toymlx's --beta1"),
     ("lora", ["--packing", "False"],
      "TRL's packing is toymlx's --data.pack, on by default (packing False: --data.no-pack)"),
     # PEFT's (Unsloth's) r: argparse's abbreviations took it for --recipe or --resume

@@ -148,8 +148,9 @@ def unquantized_note(path: str | os.PathLike, dtype: str) -> str | None:
         notes.append(
             f"{len(left)} of its {len(mats)} matrices stay {'/'.join(kinds)}, not {dtype}: their "
             f"rows ({', '.join(map(str, rows))} values) are not a multiple of the {BLOCK} a "
-            "quantized block holds; a model whose widths (--model.d-model, --model.ffn-dim) "
-            "are multiples of 32 (256 for k-quants) quantizes them all")
+            "quantized block holds; a model whose widths are multiples of 32 (256 for k-quants) "
+            "quantizes them all (a new model's: --model.d-model, --model.ffn-dim; a base's are "
+            "its own)")
     asked = block_type(dtype)
     per_block = GGML_QUANT_SIZES[asked][0]
     fell = [(n, t) for n, t in mats if t.type not in FLOAT_TENSOR_TYPES
