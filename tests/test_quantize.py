@@ -689,10 +689,10 @@ def test_matrices_left_unquantized_for_their_rows_are_named(tmp_path):
         "blk.0.attn_norm.weight": np.ones(48, np.float32)})
     assert unquantized_note(path, "q4_k_m") == (
         "2 of its 4 matrices stay F16, not q4_k_m: their rows (48, 80 values) are not a multiple "
-        "of the 32 a quantized block holds; a model whose widths (--model.d-model, "
-        "--model.ffn-dim) are multiples of 32 (256 for k-quants) quantizes them all; 1 of its 4 "
-        "matrices are quantized in a 32-value block type, not q4_k_m's 256-value Q4_K: their rows "
-        "(64 values) are not a multiple of 256, and llama.cpp's quantizer fell back (Q8_0: "
+        "of the 32 a quantized block holds; a model whose widths are multiples of 32 (256 for "
+        "k-quants) quantizes them all (a new model's: --model.d-model, --model.ffn-dim; a base's "
+        "are its own); 1 of its 4 matrices are quantized in a 32-value block type, not q4_k_m's "
+        "256-value Q4_K: their rows (64 values) are not a multiple of 256, and llama.cpp's quantizer fell back (Q8_0: "
         "blk.0.ffn_up.weight); widths that are multiples of 256 get q4_k_m's own blocks")
     assert unquantized_note(path, "f16") is None  # asked for floats: nothing to say
 
@@ -719,9 +719,9 @@ def test_an_export_quantized_where_rows_do_not_fit_a_block_says_so(tmp_path, cap
         f"toymlx-export: warning: {out}: {len(floats)} of its {len(mats)} matrices stay F16, not "
         "q4_k_m: their rows (48 values) are not a multiple of the 32 a quantized block holds; a "
         "model whose widths are multiples of 32 (256 for k-quants) quantizes them all (a new "
-        "model's: --model.d-model, --model.ffn-dim; a base's are its own); 1 of its 8 matrices are quantized in a 32-value block "
-        "type, not q4_k_m's 256-value Q4_K: their rows (96 values) are not a multiple of 256, "
-        "and llama.cpp's quantizer fell back (Q8_0: blk.0.ffn_down.weight); widths that are "
+        "model's: --model.d-model, --model.ffn-dim; a base's are its own); 1 of its 8 matrices "
+        "are quantized in a 32-value block type, not q4_k_m's 256-value Q4_K: their rows (96 "
+        "values) are not a multiple of 256, and llama.cpp's quantizer fell back (Q8_0: blk.0.ffn_down.weight); widths that are "
         "multiples of 256 get q4_k_m's own blocks")
     assert len(floats) == len(mats) - 1  # ffn_down's rows (96) are whole 32-value blocks
 
@@ -750,7 +750,8 @@ def test_fuse_at_end_quantized_where_rows_do_not_fit_a_block_says_so(tmp_path, c
     assert (f"toymlx: warning: {out}: {len(left)} of its {len(mats)} matrices stay F16, not "
             "q8_0: their rows (48 values) are not a multiple of the 32 a quantized block holds; "
             "a model whose widths are multiples of 32 (256 for k-quants) quantizes them all (a "
-            "new model's: --model.d-model, --model.ffn-dim; a base's are its own)") in capsys.readouterr().err.splitlines()
+            "new model's: --model.d-model, --model.ffn-dim; a base's are its own)"
+            ) in capsys.readouterr().err.splitlines()
 
 
 def test_k_quant_matrices_given_a_32_value_block_type_are_named(tmp_path):
