@@ -692,8 +692,9 @@ def test_matrices_left_unquantized_for_their_rows_are_named(tmp_path):
         "of the 32 a quantized block holds; a model whose widths are multiples of 32 (256 for "
         "k-quants) quantizes them all (a new model's: --model.d-model, --model.ffn-dim; a base's "
         "are its own); 1 of its 4 matrices are quantized in a 32-value block type, not q4_k_m's "
-        "256-value Q4_K: their rows (64 values) are not a multiple of 256, and llama.cpp's quantizer fell back (Q8_0: "
-        "blk.0.ffn_up.weight); widths that are multiples of 256 get q4_k_m's own blocks")
+        "256-value Q4_K: their rows (64 values) are not a multiple of 256, and llama.cpp's "
+        "quantizer fell back (Q8_0: blk.0.ffn_up.weight); widths that are multiples of 256 get "
+        "q4_k_m's own blocks")
     assert unquantized_note(path, "f16") is None  # asked for floats: nothing to say
 
 
@@ -719,10 +720,10 @@ def test_an_export_quantized_where_rows_do_not_fit_a_block_says_so(tmp_path, cap
         f"toymlx-export: warning: {out}: {len(floats)} of its {len(mats)} matrices stay F16, not "
         "q4_k_m: their rows (48 values) are not a multiple of the 32 a quantized block holds; a "
         "model whose widths are multiples of 32 (256 for k-quants) quantizes them all (a new "
-        "model's: --model.d-model, --model.ffn-dim; a base's are its own); 1 of its 8 matrices "
-        "are quantized in a 32-value block type, not q4_k_m's 256-value Q4_K: their rows (96 "
-        "values) are not a multiple of 256, and llama.cpp's quantizer fell back (Q8_0: blk.0.ffn_down.weight); widths that are "
-        "multiples of 256 get q4_k_m's own blocks")
+        "model's: --model.d-model, --model.ffn-dim; a base's are its own); 1 of its 8 matrices are "
+        "quantized in a 32-value block type, not q4_k_m's 256-value Q4_K: their rows (96 values) "
+        "are not a multiple of 256, and llama.cpp's quantizer fell back (Q8_0: "
+        "blk.0.ffn_down.weight); widths that are multiples of 256 get q4_k_m's own blocks")
     assert len(floats) == len(mats) - 1  # ffn_down's rows (96) are whole 32-value blocks
 
 
