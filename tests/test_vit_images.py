@@ -228,11 +228,22 @@ def test_held_out_files_inside_the_training_folder_but_not_trained_on_are_taken(
     t10k = fake_pair(mnist, "t10k", 10, seed=2)
     cifar = make_cifar10(tmp_path / "cifar")
     recipe = get_recipe("vit-tiny")
+    other = make_image_folder(tmp_path / "other", per_class=2)
     for folder, held in ((mnist, t10k), (cifar, cifar / "test_batch")):
-        check_config(recipe, Config(data=ImageData(path=str(folder), test_path=str(held))),
-                     new_run=True)
+        check_config(recipe, Config(data=ImageData(path=str(folder), test_path=str(held),
+                                                   val_path=str(other))), new_run=True)
         check_config(recipe, Config(data=ImageData(path=str(folder), val_path=str(held))),
                      new_run=True)
+        # without --data.val-path the folder validates on that same test set at every eval:
+        # --test would score the validation images again (taken, said nowhere, before)
+        with pytest.raises(ValueError) as e:
+            check_config(recipe, Config(data=ImageData(path=str(folder), test_path=str(held))),
+                         new_run=True)
+        assert str(e.value) == (
+            "--data.test-path: expected images apart from the validation set (a test set is "
+            f"never validated on), found {held}, the official test set {folder} validates on at "
+            "every eval already; leave out --data.test-path and --test (the val_loss and accuracy "
+            "are that test set's), or validate on another set with --data.val-path")
     for folder, trained in ((mnist, mnist / "train-images-idx3-ubyte"),
                             (cifar, cifar / "data_batch_2")):
         with pytest.raises(ValueError) as e:

@@ -225,6 +225,22 @@ def validate(cfg: Config) -> None:
         for flag, other in (("--data.path", _trained(d)), ("--data.val-path", d.val_path)):
             _apart("--data.test-path", d.test_path, flag, other, "a test set is never trained or "
                    "validated on")
+        if d.val_path is None and d.path is not None:
+            _not_its_own_test_set(d.path, d.test_path)
+
+
+def _not_its_own_test_set(path: str, test_path: str) -> None:
+    """ValueError where --data.test-path names the official test set of the CIFAR or MNIST
+    folder --data.path, which validates on it at every eval (without --data.val-path): --test
+    would score the validation images again, as a held-out test."""
+    own = set(map(Path.resolve, source_files(path))) - set(
+        map(Path.resolve, source_files(path, trained=True)))
+    if own and any(f.resolve() in own for f in source_files(test_path)):
+        raise ValueError(f"--data.test-path: expected images apart from the validation set (a "
+                         f"test set is never validated on), found {test_path}, the official test "
+                         f"set {path} validates on at every eval already; leave out "
+                         "--data.test-path and --test (the val_loss and accuracy are that test "
+                         "set's), or validate on another set with --data.val-path")
 
 
 def check_applies(cfg: Config, given: Collection[str] = ()) -> None:
