@@ -641,7 +641,7 @@ def run(args: Args) -> int:
         used += "\n" + note
     conversation = args.chat and not args.prompt
     gguf_path, adapters = model_files(args.model, args.adapter, check_digest=False)
-    tokenizer, model_args = load_tokenizer(gguf_path)  # the header alone: no weights read yet
+    tokenizer, model_args = load_tokenizer(gguf_path, args.model)  # the header alone
     if note := system_note(tokenizer, args, gguf_path):
         used += "\n" + note
     check_top_k(args.top_k, model_args.vocab_size, gguf_path)

@@ -1166,6 +1166,13 @@ def test_a_model_of_the_other_kind_names_the_command_that_uses_it(tmp_path, stor
         f"toymlx-generate: error: {vit}: metadata key 'general.architecture': expected a "
         f"language model ({SUPPORTED}), found 'vit', an image "
         f"classifier: toymlx-classify --model {vit} IMAGE uses it")
+    # a vit-tiny run: named as typed, its checkpoint beside it (before: the checkpoint alone)
+    vit_run = make_run_dir(tmp_path / "v", vit)
+    assert cli.main(["--model", str(vit_run), "--prompt", "hi"]) == 2
+    assert error_line(capsys, "toymlx-generate") == (
+        f"toymlx-generate: error: {vit_run} ({vit_run / 'weights' / 'step_5.gguf'}): metadata "
+        f"key 'general.architecture': expected a language model ({SUPPORTED}), found 'vit', an "
+        f"image classifier: toymlx-classify --model {vit_run} IMAGE uses it")
     image = tmp_path / "x.png"
     from PIL import Image
     Image.new("RGB", (8, 8)).save(image)

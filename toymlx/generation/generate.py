@@ -465,15 +465,19 @@ def model_files(path: str | os.PathLike, adapter: str | os.PathLike | None = Non
                     + (f"; its base {base} is not a file here)" if base else ")"))
 
 
-def load_tokenizer(gguf_path: Path) -> tuple[Tokenizer, Any]:
+def load_tokenizer(gguf_path: Path, given: str | os.PathLike | None = None
+                   ) -> tuple[Tokenizer, Any]:
     """The GGUF's own tokenizer and its `LlamaArgs`, after checking its architecture and
-    shapes (no weights read)."""
+    shapes (no weights read); `given`: the --model typed (a run folder), named in the refusal
+    of an image classifier, its checkpoint beside it."""
     g = GGUFFile(gguf_path)
     try:
         if g.metadata.get("general.architecture") == "vit":  # a vit-tiny run or checkpoint
-            raise GGUFError(f"{gguf_path}: metadata key 'general.architecture': expected a "
+            model = gguf_path if given is None else given
+            named = gguf_path if Path(model) == gguf_path else f"{model} ({gguf_path})"
+            raise GGUFError(f"{named}: metadata key 'general.architecture': expected a "
                             f"language model ({', '.join(ARCHS)}), found 'vit', an image "
-                            f"classifier: toymlx-classify --model {gguf_path} IMAGE uses it")
+                            f"classifier: toymlx-classify --model {model} IMAGE uses it")
         args = args_from_gguf(g)  # architecture, hyperparameters and tensor shapes
         if "tokenizer.ggml.tokens" not in g.metadata:
             raise GGUFError(f"{gguf_path}: metadata key 'tokenizer.ggml.tokens': expected a "
@@ -519,7 +523,7 @@ def load_for_generation(path: str | os.PathLike, adapter: str | os.PathLike | No
     with (toymlx-eval: `models.ops.scoring_ops`)."""
     gguf_path, adapters = model_files(path, adapter)
     check_one_adapter(path, adapters)
-    tokenizer, _ = load_tokenizer(gguf_path)
+    tokenizer, _ = load_tokenizer(gguf_path, path)
     return load_model(gguf_path, adapters, weights, ops), tokenizer
 
 
