@@ -300,8 +300,17 @@ _TYPE_NAMES = {int: "an integer", float: "a number"}
 
 def _takes_int(t: Any) -> bool:
     """Whether an option of type `t` (`_field_types`) takes an integer (int, or int | None)."""
-    return t is int or (type(None) in typing.get_args(t)
-                        and [a for a in typing.get_args(t) if a is not type(None)] == [int])
+    return _unwrapped(t) is int
+
+
+def _unwrapped(t: Any) -> Any:
+    """An option's type without its `| None` (`X | None`: X; several others: None, any), else
+    `t` itself."""
+    args = typing.get_args(t)
+    if t is None or type(None) not in args:
+        return t
+    inner = [a for a in args if a is not type(None)]
+    return inner[0] if len(inner) == 1 else None
 
 
 def _parse_value(s: str, t: Any, key: str, where: str | None = None,
@@ -312,9 +321,7 @@ def _parse_value(s: str, t: Any, key: str, where: str | None = None,
     args = typing.get_args(t)
     if s == "None" and (t is None or type(None) in args):
         return None
-    if t is not None and type(None) in args:
-        inner = [a for a in args if a is not type(None)]
-        t = inner[0] if len(inner) == 1 else None
+    t = _unwrapped(t)
     found = f", found {shown or json.dumps(s)}" if where else ""
     where = where or f"--grid {key}={s}"
     if t is bool or (t is None and s.lower() in ("true", "false")):
