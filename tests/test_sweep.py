@@ -1634,3 +1634,42 @@ def test_a_sweep_file_key_that_does_not_apply_is_refused_a_run_config_is_not(
         "recipe": "lora", "config": options}
     saved = json.loads((tmp_path / "s" / "lr=0.001" / "config.json").read_text())["config"]
     assert (saved["fine_tune_type"], saved["lr"], saved["steps"]) == ("full", 1e-3, 1)
+
+
+def test_a_second_sweep_of_one_id_is_refused_while_the_first_runs(tmp_path, capsys):
+    """Two sweeps of one id (and shard) at once both ran, the runs split between them, and the
+    first to end exited 0 with a partial summary. The second is refused before it writes
+    anything, naming the folder and the first's pid, from Python and from toymlx-sweep; a first
+    that was killed (-9) blocks no one."""
+    from cli_errors import error_line
+
+    from toymlx.sweeps.supervisor import shard_lock
+
+    specs = sweep.grid([*TINY, "--steps", "2"], {"lr": [2e-3]})
+    folder = tmp_path / "s"
+    (folder / ".locks").mkdir(parents=True)
+    hold = "; ".join(HOLD.strip().splitlines())  # one line: the refusal names its command
+    first = subprocess.Popen([sys.executable, "-c", hold, str(folder / ".locks" /
+                                                            shard_lock((0, 1)))],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "held"
+        before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+        with pytest.raises(LockHeld) as e:
+            sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="s", progress=False,
+                            report_png=False)
+        assert str(e.value).startswith(f"{folder}: the sweep: in use by process {first.pid} (")
+        assert str(e.value).endswith(f"; wait for it to end, or stop it first (kill -INT "
+                                     f"{first.pid})")
+        assert sweep_main(["--recipe", "from-scratch", "--grid", "lr=2e-3", "--runs-root",
+                           str(tmp_path), "--sweep-id", "s", "--no-progress", "--no-report",
+                           *TINY, "--steps", "2"]) == 2
+        assert error_line(capsys, "toymlx-sweep") == f"toymlx-sweep: error: {e.value}"
+        assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before
+        first.kill()  # kill -9: its lock dies with it
+        first.wait()
+        result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="s", progress=False,
+                                 report_png=False)
+        assert result.states == {"lr=0.002": "done"}
+    finally:
+        end_child(first)

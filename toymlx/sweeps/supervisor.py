@@ -65,6 +65,12 @@ RECORD_WAIT_S = 30.0
 milliseconds), before it names the holder and stops."""
 
 
+def shard_lock(shard: tuple[int, int]) -> str:
+    """The lock in the sweep folder's .locks/ that a sweep of shard `shard` (I, N) holds while it
+    runs: two sweeps of one id and shard never run at once; other shards of it do."""
+    return f"sweep-shard-{shard[0]}-of-{shard[1]}.lock"
+
+
 def run_state(run_dir: Path) -> str:
     """new | completed | diverged | failed (error) | resumable (torn, interrupted, stopped).
 
@@ -425,64 +431,72 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
         raise ValueError(f"{sweep_dir}: {flag}: expected a folder it can write (the sweep's "
                          f"record, logs and each run's bundle), found {e.strerror or e} at "
                          f"{e.filename or sweep_dir}; {fix}choose another --runs-root") from None
-    # the check and the write under one lock: two sweeps of one id with other options, started
-    # at once, both found no sweep.json, and both ran, each its own options
-    with acquire(sweep_dir / ".locks" / RECORD_LOCK, str(sweep_dir / report.SWEEP_FILE),
-                 wait=RECORD_WAIT_S):
-        changed = changed_options(sweep_dir, recipe, specs, run_options, inputs)
-        if changed:
-            raise ValueError(f"{sweep_dir}: --sweep-id {sweep_id}: expected the options this "
-                             f"sweep was started with, found {', '.join(changed)} changed; give "
-                             "a new --sweep-id to run the changed sweep, or put them back")
-        for sub in ("logs", ".status"):
-            (sweep_dir / sub).mkdir(exist_ok=True)
-        write_sweep_file(sweep_dir, recipe, specs, run_options, inputs)
-        options_file = None
-        if run_options:
-            options_file = sweep_dir / RUN_OPTIONS_FILE
-            atomic.write_text(options_file, json.dumps(
-                {"recipe": recipe, "config": run_options} if run_config else run_options,
-                indent=1))
-    # said up front: with --no-progress, a sweep run again printed the same table as the
-    # first time, nothing telling that no run was run (nor, continued after a Ctrl-C, that
-    # its runs go on from their checkpoints, not from step 0)
-    runs = [SweptRun(s, sweep_dir / s.name) for s in mine]
-    steps = [next_step(sweep_dir, r, retry_failed) for r in runs]
-    said = {"skip": "finished before, skipped", "resume": "to resume from their checkpoints",
-            "report": "failed before, reported (--no-retry-failed)"}
-    stream.write(f"sweep {sweep_dir}: {counted(len(specs), 'run')}, {len(mine)} on this shard "
-                 f"({shard[0]}/{shard[1]}), {counted(workers, 'worker')}"
-                 + "".join(f"; {steps.count(k)} {v}" for k, v in said.items() if k in steps)
-                 + "\n")
-    runner = _Runner(recipe, sweep_dir, runs, workers, retry_failed, busy_wait,
-                     python or sys.executable, LiveView(stream, progress, heartbeat), stream,
-                     options_file, said, config_file)
-    interrupted = runner.run()
+    # one sweep of an id (and shard) at a time: a second one started while the first ran (the
+    # same command in another terminal) ran too, the runs split between them, and the first to
+    # end exited 0 with a partial summary; refused now before it writes anything. A flock: a
+    # sweep killed (-9) holds it no longer.
+    with acquire(sweep_dir / ".locks" / shard_lock(shard),
+                 f"{sweep_dir}: the sweep" + (f" (shard {shard[0]}/{shard[1]})"
+                                              if shard[1] > 1 else "")):
+        # the check and the write under one lock: two sweeps of one id with other options, started
+        # at once, both found no sweep.json, and both ran, each its own options
+        with acquire(sweep_dir / ".locks" / RECORD_LOCK, str(sweep_dir / report.SWEEP_FILE),
+                     wait=RECORD_WAIT_S):
+            changed = changed_options(sweep_dir, recipe, specs, run_options, inputs)
+            if changed:
+                raise ValueError(f"{sweep_dir}: --sweep-id {sweep_id}: expected the options "
+                                 f"this sweep was started with, found {', '.join(changed)} "
+                                 "changed; give a new --sweep-id to run the changed sweep, or "
+                                 "put them back")
+            for sub in ("logs", ".status"):
+                (sweep_dir / sub).mkdir(exist_ok=True)
+            write_sweep_file(sweep_dir, recipe, specs, run_options, inputs)
+            options_file = None
+            if run_options:
+                options_file = sweep_dir / RUN_OPTIONS_FILE
+                atomic.write_text(options_file, json.dumps(
+                    {"recipe": recipe, "config": run_options} if run_config else run_options,
+                    indent=1))
+        # said up front: with --no-progress, a sweep run again printed the same table as the
+        # first time, nothing telling that no run was run (nor, continued after a Ctrl-C, that
+        # its runs go on from their checkpoints, not from step 0)
+        runs = [SweptRun(s, sweep_dir / s.name) for s in mine]
+        steps = [next_step(sweep_dir, r, retry_failed) for r in runs]
+        said = {"skip": "finished before, skipped", "resume": "to resume from their checkpoints",
+                "report": "failed before, reported (--no-retry-failed)"}
+        stream.write(f"sweep {sweep_dir}: {counted(len(specs), 'run')}, {len(mine)} on this shard "
+                     f"({shard[0]}/{shard[1]}), {counted(workers, 'worker')}"
+                     + "".join(f"; {steps.count(k)} {v}" for k, v in said.items() if k in steps)
+                     + "\n")
+        runner = _Runner(recipe, sweep_dir, runs, workers, retry_failed, busy_wait,
+                         python or sys.executable, LiveView(stream, progress, heartbeat), stream,
+                         options_file, said, config_file)
+        interrupted = runner.run()
 
-    elsewhere = [r.spec.name for r in runs if r.state == "elsewhere"]
-    result = summarize_sweep(sweep_dir, report_png=report_png, stream=stream,
-                             elsewhere=len(elsewhere))
-    result.states = {r.spec.name: r.state for r in runs}
-    result.signal = runner.first
-    for r in runs:
-        if r.state in ("failed", "diverged"):
-            stream.write(f"sweep: {r.shown.upper()} {r.spec.name}: {r.message} "
-                         f"(log: {sweep_dir / 'logs' / (r.spec.name + '.log')})\n")
-            # a run killed (kill -9, out of memory) is resumed too, not started over: said,
-            # as a full disk's is, where the line above said only how it failed
-            if r.state == "failed" and resumes(r.dir):
-                disk = ("free space (or make the folder writable) and "
-                        if failed_on_the_disk(r.dir) else "")
-                again = ("run the same command again" if retry_failed else
-                         "run the command again without --no-retry-failed")
-                stream.write(f"sweep: {r.spec.name}: its checkpoints are intact: {disk}{again}; "
-                             "it resumes from them\n")
-        elif r.state == "elsewhere":
-            stream.write(f"sweep: {r.spec.name}: skipped here: {r.message}\n")
-    if elsewhere:  # this sweep ended first: its table is not the sweep's result yet
-        stream.write(f"sweep: {counted(len(elsewhere), 'run')} still running elsewhere, so this "
-                     f"summary is partial: the other process's end, or toymlx-report "
-                     f"{sweep_dir} once they end, gives the whole sweep\n")
-    if interrupted:
-        stream.write("sweep: interrupted; run the same command again to resume\n")
-    return result
+        elsewhere = [r.spec.name for r in runs if r.state == "elsewhere"]
+        result = summarize_sweep(sweep_dir, report_png=report_png, stream=stream,
+                                 elsewhere=len(elsewhere))
+        result.states = {r.spec.name: r.state for r in runs}
+        result.signal = runner.first
+        for r in runs:
+            if r.state in ("failed", "diverged"):
+                stream.write(f"sweep: {r.shown.upper()} {r.spec.name}: {r.message} "
+                             f"(log: {sweep_dir / 'logs' / (r.spec.name + '.log')})\n")
+                # a run killed (kill -9, out of memory) is resumed too, not started over: said,
+                # as a full disk's is, where the line above said only how it failed
+                if r.state == "failed" and resumes(r.dir):
+                    disk = ("free space (or make the folder writable) and "
+                            if failed_on_the_disk(r.dir) else "")
+                    again = ("run the same command again" if retry_failed else
+                             "run the command again without --no-retry-failed")
+                    stream.write(f"sweep: {r.spec.name}: its checkpoints are intact: "
+                                 f"{disk}{again}; it resumes from them\n")
+            elif r.state == "elsewhere":
+                stream.write(f"sweep: {r.spec.name}: skipped here: {r.message}\n")
+        if elsewhere:  # this sweep ended first: its table is not the sweep's result yet
+            stream.write(f"sweep: {counted(len(elsewhere), 'run')} still running elsewhere, so "
+                         f"this summary is partial: the other process's end, or toymlx-report "
+                         f"{sweep_dir} once they end, gives the whole sweep\n")
+        if interrupted:
+            stream.write("sweep: interrupted; run the same command again to resume\n")
+        return result
