@@ -374,17 +374,24 @@ def _sweep(args: argparse.Namespace, specs: list, shard: tuple[int, int], run_op
     from toymlx_cli.config_file import file_key_error
 
     from toymlx import sweeps as sweep
-    from toymlx.backend.stop import stop_outcome
+    from toymlx.backend.stop import SIGNALS, how_stopped, stop_outcome, stops_raise
 
     try:
-        result = sweep.run_sweep(args.recipe, specs, args.runs_root, args.workers, shard,
-                                 args.sweep_id, retry_failed=not args.no_retry_failed,
-                                 progress=not args.no_progress, report_png=not args.no_report,
-                                 run_options=run_options, inputs=inputs, config_file=path,
-                                 run_config=run_config, said=notes)
+        # the runs count the stop signals while they run (each checkpoints and ends); before
+        # and after them (the summary and report.png written) one stops the sweep at once, its
+        # file in flight abandoned whole (an atomic write), and the sweep says so in one line
+        with stops_raise(SIGNALS):
+            result = sweep.run_sweep(args.recipe, specs, args.runs_root, args.workers, shard,
+                                     args.sweep_id, retry_failed=not args.no_retry_failed,
+                                     progress=not args.no_progress,
+                                     report_png=not args.no_report, run_options=run_options,
+                                     inputs=inputs, config_file=path, run_config=run_config,
+                                     said=notes)
     except (ValueError, OSError) as e:
         print(f"toymlx-sweep: error: {file_key_error(str(e), keys, path)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # run_sweep said what it stopped and how to finish it
+        return how_stopped(e)[1]
     if "interrupted" in result.states.values() or result.signal:
         return stop_outcome(result.signal)[1]  # 128 + the signal's number (Ctrl-C: 130)
     return 0 if result.ok else 1

@@ -1673,3 +1673,47 @@ def test_a_second_sweep_of_one_id_is_refused_while_the_first_runs(tmp_path, caps
         assert result.states == {"lr=0.002": "done"}
     finally:
         end_child(first)
+
+
+@pytest.mark.parametrize("sig, line, code", [
+    (signal.SIGINT, "interrupted", 130), (signal.SIGTERM, "stopped by SIGTERM", 143)])
+def test_a_stop_while_the_summary_is_written_is_one_line_and_no_half_file(
+        tmp_path, capsys, monkeypatch, sig, line, code):
+    """Ctrl-C while the sweep wrote its summary and drew report.png ended toymlx-sweep in a
+    KeyboardInterrupt traceback (a SIGTERM killed it without a word, its report's temporary
+    left); now one line saying what was stopped and how to finish it, the signal's exit status,
+    no report.png half-drawn and no temporary beside it; the same command then writes it."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    from toymlx.backend.stop import SIGNALS
+
+    savefig = matplotlib.figure.Figure.savefig
+
+    def cut(self, f, *args, **kw):
+        f.write(b"\x89PNG half a report")
+        os.kill(os.getpid(), sig)  # the stop comes while report.png is written
+        time.sleep(5)  # not reached: the handler raises at once
+        raise AssertionError("the stop was not raised")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", cut)
+    argv = ["--recipe", "from-scratch", "--grid", "lr=2e-3", "--runs-root", str(tmp_path),
+            "--sweep-id", "s", "--no-progress", *TINY, "--steps", "2"]
+    before = {s: signal.getsignal(s) for s in SIGNALS}
+    try:
+        assert sweep_main(argv) == code
+    finally:
+        for s, h in before.items():  # a stop leaves them ignored until the process exits
+            signal.signal(s, h)
+    err = capsys.readouterr().err
+    folder = tmp_path / "s"
+    assert "Traceback" not in err and err.endswith(
+        f"sweep: {line} while writing its summary (summary.csv, summary.jsonl, report.png in "
+        f"{folder}); none was left half-written: run the same command again to write it (its "
+        "completed runs are skipped, stopped ones resume)\n"), err
+    assert not (folder / "report.png").exists()
+    assert sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name) == []
+    assert [r["status"] for r in _csv(folder / "summary.csv")] == ["completed"]
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    assert sweep_main(argv) == 0
+    assert (folder / "report.png").read_bytes()[:4] == b"\x89PNG"

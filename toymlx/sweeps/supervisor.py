@@ -36,7 +36,7 @@ from toymlx.backend import atomic
 from toymlx.backend.files import counted
 from toymlx.backend.lifeline import child_env, module_command
 from toymlx.backend.lock import LOCK_FILE, LockHeld, acquire
-from toymlx.backend.stop import SOLO_SIGNALS, STOP_CODES, StopSignals
+from toymlx.backend.stop import SOLO_SIGNALS, STOP_CODES, StopSignals, how_stopped
 from toymlx.bundle.checkpoint import resolve_latest
 from toymlx.bundle.events import read_events
 from toymlx.bundle.folder import UNWRITABLE, check_folder_name, upload_first, wandb_to_upload
@@ -379,6 +379,25 @@ class _Runner:
             self._finish(r)
 
 
+class _SaidOnStop:
+    """Within it, a stop (Ctrl-C's KeyboardInterrupt, `Stopped` for SIGTERM or SIGHUP where the
+    caller raises them: toymlx-sweep) is said on `stream` in one line, `sweep: interrupted
+    <line>` (what it stopped and how to finish it), and passes on: a Ctrl-C while the summary
+    and report.png were written ended toymlx-sweep in a traceback. `line` follows the sweep's
+    phases."""
+
+    def __init__(self, stream: TextIO, line: str):
+        self.stream, self.line = stream, line
+
+    def __enter__(self) -> _SaidOnStop:  # noqa: PYI034
+        return self
+
+    def __exit__(self, kind: object, e: BaseException | None, tb: object) -> None:
+        if isinstance(e, KeyboardInterrupt):
+            with contextlib.suppress(OSError, ValueError):  # a console gone: the line is lost
+                self.stream.write(f"sweep: {how_stopped(e)[0]} {self.line}\n")
+
+
 def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "runs",
               workers: int = 1, shard: tuple[int, int] = (0, 1), sweep_id: str | None = None,
               *, retry_failed: bool = True, progress: bool = True, stream: TextIO | None = None,
@@ -435,9 +454,10 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
     # same command in another terminal) ran too, the runs split between them, and the first to
     # end exited 0 with a partial summary; refused now before it writes anything. A flock: a
     # sweep killed (-9) holds it no longer.
+    stop = _SaidOnStop(stream, "before any run started; nothing was run")
     with acquire(sweep_dir / ".locks" / shard_lock(shard),
                  f"{sweep_dir}: the sweep" + (f" (shard {shard[0]}/{shard[1]})"
-                                              if shard[1] > 1 else "")):
+                                              if shard[1] > 1 else "")), stop:
         # the check and the write under one lock: two sweeps of one id with other options, started
         # at once, both found no sweep.json, and both ran, each its own options
         with acquire(sweep_dir / ".locks" / RECORD_LOCK, str(sweep_dir / report.SWEEP_FILE),
@@ -471,11 +491,18 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
         runner = _Runner(recipe, sweep_dir, runs, workers, retry_failed, busy_wait,
                          python or sys.executable, LiveView(stream, progress, heartbeat), stream,
                          options_file, said, config_file)
+        stop.line = "while its runs ran; run the same command again to resume them"
         interrupted = runner.run()
 
         elsewhere = [r.spec.name for r in runs if r.state == "elsewhere"]
+        files = ["summary.csv", "summary.jsonl", *(["report.png"] if report_png else [])]
+        stop.line = (f"while writing its summary ({', '.join(files)} in {sweep_dir}); none was "
+                     "left half-written: run the same command again to write it (its completed "
+                     "runs are skipped, stopped ones resume)")
         result = summarize_sweep(sweep_dir, report_png=report_png, stream=stream,
                                  elsewhere=len(elsewhere))
+        stop.line = (f"after writing its summary (in {sweep_dir}); run the same command again to "
+                     "resume its stopped runs")
         result.states = {r.spec.name: r.state for r in runs}
         result.signal = runner.first
         for r in runs:
