@@ -10,6 +10,9 @@ from collections.abc import Callable, Iterator
 from importlib import metadata
 from typing import Any
 
+# before toymlx: a Ctrl-C while MLX, numpy and tyro import is held for the command's main
+from toymlx_cli.entry import console_command  # noqa: F401  (the commands' mains use it)
+
 from toymlx import __version__
 from toymlx.backend.device import blas_summary
 from toymlx.backend.stop import CONSOLE_GONE, how_stopped

@@ -6,7 +6,13 @@ import argparse
 import os
 import sys
 
-from toymlx_cli import VersionAction, console_streams, output_may_close, readable_width
+from toymlx_cli import (
+    VersionAction,
+    console_command,
+    console_streams,
+    output_may_close,
+    readable_width,
+)
 from toymlx_cli.config_file import CONFIG_HELP, parser_defaults
 
 DEFAULT_DIR = "runs"
@@ -34,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+@console_command("toymlx-report")
 def main(argv: list[str] | None = None) -> int:
     from toymlx.backend.stop import SIGNALS, how_stopped, stops_raise
 

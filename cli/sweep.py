@@ -10,7 +10,13 @@ import sys
 from collections.abc import Callable
 from functools import partial
 
-from toymlx_cli import VersionAction, console_streams, output_may_close, readable_width
+from toymlx_cli import (
+    VersionAction,
+    console_command,
+    console_streams,
+    output_may_close,
+    readable_width,
+)
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 
@@ -241,6 +247,7 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
     return inputs, notes + data_notes
 
 
+@console_command("toymlx-sweep")
 def main(argv: list[str] | None = None) -> int:
     # `2>&1 | head -3`: the rest of the output is discarded, and the sweep stops as on Ctrl-C
     # (its runs checkpoint; summary and report written; exit 141); `| head -3` alone reads
