@@ -1,5 +1,7 @@
 """Thin command-line entry points (installed as `toymlx_cli`)."""
 
+# first of all: a Ctrl-C from here on, while MLX, numpy and tyro import, is held for the command
+from toymlx_cli.entry import console_command  # noqa: I001, F401  (the commands' mains use it)
 import argparse
 import contextlib
 import errno
@@ -9,9 +11,6 @@ import sys
 from collections.abc import Callable, Iterator
 from importlib import metadata
 from typing import Any
-
-# before toymlx: a Ctrl-C while MLX, numpy and tyro import is held for the command's main
-from toymlx_cli.entry import console_command  # noqa: F401  (the commands' mains use it)
 
 from toymlx import __version__
 from toymlx.backend.device import blas_summary

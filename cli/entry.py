@@ -24,7 +24,6 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any
 
 COMMANDS = ("train", "generate", "export", "eval", "sweep", "report", "launch", "classify")
 """The console commands: `toymlx-NAME` runs `toymlx_cli.NAME:main` (pyproject.toml's
@@ -34,7 +33,7 @@ _held: list[int] = []
 """The Ctrl-Cs that came while the command imported (`hold_interrupts`)."""
 
 
-def _hold(signum: int, frame: Any) -> None:
+def _hold(signum: int, frame: object) -> None:
     """SIGINT's handler while a command imports: counted, raised once its `main` runs."""
     _held.append(signum)
 
@@ -60,14 +59,21 @@ def hold_interrupts() -> None:
         signal.signal(signal.SIGINT, _hold)
 
 
+hold_interrupts()  # on import: the package imports this module before anything else
+
+
+class _WhileStarting(KeyboardInterrupt):
+    """A Ctrl-C held while the command imported (`hold_interrupts`), raised in its `main`."""
+
+
 def _started() -> None:
-    """Python's own SIGINT handler back in place of `_hold`; KeyboardInterrupt where a
-    Ctrl-C came while the command imported."""
+    """Python's own SIGINT handler back in place of `_hold`; `_WhileStarting` where a Ctrl-C
+    came while the command imported."""
     if signal.getsignal(signal.SIGINT) is _hold:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if _held:
         _held.clear()
-        raise KeyboardInterrupt("while starting")
+        raise _WhileStarting
 
 
 def console_command(prog: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
@@ -86,7 +92,7 @@ def console_command(prog: str) -> Callable[[Callable[..., int]], Callable[..., i
                 from toymlx.backend.stop import how_stopped
 
                 what, code = how_stopped(e)
-                starting = e.args == ("while starting",)
+                starting = isinstance(e, _WhileStarting)
                 # on a line of its own: the terminal's ^C may have left one open; a console
                 # that cannot be written loses the line, not the exit status
                 with contextlib.suppress(OSError, ValueError, AttributeError):
@@ -100,4 +106,3 @@ def console_command(prog: str) -> Callable[[Callable[..., int]], Callable[..., i
     return wrap
 
 
-hold_interrupts()  # on import: the package imports this module before anything else
