@@ -670,8 +670,8 @@ def test_a_keyword_of_the_wrong_type_is_refused_naming_it_and_its_type(tmp_path)
             ("from-scratch", {"model": {"d_model": "32"}},
              'model={"d_model": ...}: expected an integer, found the str \'32\''),
             ("lora", {**lora, "optimizer": "adamx"},
-             'optimizer: expected one of "adamw", "adam", "sgd", "adafactor", "muon", found the '
-             "str 'adamx'"),
+             ('optimizer: expected one of "adamw", "adam", "sgd", "adafactor", "muon", found '
+              "the str 'adamx'")),
             ("lora", {**lora, "lr_schedule_args": (0.5, "x")},
              "lr_schedule_args: expected a number for each value, found the str 'x'"),
             ("from-scratch", {"data": "d.txt"},
@@ -682,6 +682,13 @@ def test_a_keyword_of_the_wrong_type_is_refused_naming_it_and_its_type(tmp_path)
             toymlx.train(recipe, runs_root=str(tmp_path), echo=False, **options)
         assert str(e.value) == want
     assert list(tmp_path.iterdir()) == []
+    run = tmp_path / "run"  # a resume's keywords, by the run's recipe
+    run.mkdir()
+    (run / "config.json").write_text('{"recipe": "from-scratch", "config": {}}')
+    with pytest.raises(toymlx.OptionError) as e:
+        toymlx.train(resume=str(run), steps="10", echo=False)
+    assert str(e.value) == "steps: expected an integer, found the str '10'"
+    assert sorted(p.name for p in run.iterdir()) == ["config.json"]
     # what each type takes: a float an int, an int a numpy int, a choice its value
     from toymlx.recipes import get_recipe
     from toymlx.runner.api import _check_types

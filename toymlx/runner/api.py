@@ -116,8 +116,9 @@ def _train(recipe: str | None, echo: bool, options: dict[str, Any]) -> dict[str,
     # a str the command checks, naming the recipes; None only where the run or file names it
     if not isinstance(recipe, str) and not (recipe is None and (resume or config) is not None):
         raise OptionError(f"recipe: expected one of {', '.join(RECIPES)}, found {recipe!r}")
-    if recipe in RECIPES:
-        _check_types(options, get_recipe(recipe).Config)
+    # a resume's keywords (steps=, a run-local option) too, by the run's recipe
+    if (checked := recipe if recipe is not None else _resumed_recipe(resume)) in RECIPES:
+        _check_types(options, get_recipe(checked).Config)
     if resume is None and config is None and options.get("run_id") is None:
         options["run_id"] = default_run_id(recipe)  # known here, so the bundle can be read
     # a config file's runs_root and run_id are the child's to read: its bundle is then the
@@ -334,6 +335,19 @@ def _many_flags(cls: type, prefix: str = "") -> set[str]:
         elif typing.get_origin(kind) in (list, tuple):
             many.add("--" + key.replace("_", "-"))
     return many
+
+
+def _resumed_recipe(resume: Any) -> str | None:
+    """The recipe of the run `resume` names, as its config.json records it; None where it
+    cannot be read (the command then says why)."""
+    from toymlx.bundle.folder import read_config
+
+    if resume is None:
+        return None
+    try:
+        return read_config(Path(resume), "--resume")["recipe"]
+    except (OSError, ValueError):  # RunError
+        return None
 
 
 def _check_types(options: dict[str, Any], cls: type, group: str = "") -> None:
