@@ -8,7 +8,8 @@ Every combination is its own run bundle, `<root>/<sweep_id>/<run name>`, named f
 values. A sweep folder also holds `sweep.json` (the specs), `logs/<run>.log` (each run's
 output), `.locks/` (one `flock` per run while a sweep runs it, so two sweeps, or machines
 sharing the folder over a filesystem with locks such as NFS, never run one run twice; the lock
-dies with its holder; and one while a starting sweep checks and writes sweep.json),
+dies with its holder; one while a starting sweep checks and writes sweep.json; and one per
+shard while a sweep runs it, so that a second sweep of one id and shard is refused),
 `.status/` (exit codes), and at the end `summary.csv`, `summary.jsonl` and `report.png`.
 Each run is a `toymlx-train` child tied to the sweep: if the sweep is killed, its children
 checkpoint and stop. Starting the same sweep again skips completed runs, resumes torn or
