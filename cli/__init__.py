@@ -1,5 +1,7 @@
 """Thin command-line entry points (installed as `toymlx_cli`)."""
 
+# first of all: a Ctrl-C from here on, while MLX, numpy and tyro import, is held for the command
+from toymlx_cli.entry import console_command  # noqa: I001, F401  (the commands' mains use it)
 import argparse
 import contextlib
 import errno

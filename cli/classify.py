@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import tyro
-from toymlx_cli import run_command
+from toymlx_cli import console_command, run_command
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 
@@ -70,6 +70,7 @@ def run(args: Args) -> int:
     return 2 if unread else 0
 
 
+@console_command("toymlx-classify")
 def main(argv: list[str] | None = None) -> int:
     return run_command(PROG, Args, run, argv)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple
 
 import tyro
-from toymlx_cli import run_command
+from toymlx_cli import console_command, run_command
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 
@@ -112,6 +112,7 @@ class Args:
 PROG = "toymlx-eval"
 
 
+@console_command("toymlx-eval")
 def main(argv: list[str] | None = None) -> int:
     return run_command(PROG, Args, show, argv, outputs=("plot",))
 

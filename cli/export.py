@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from toymlx_cli import run_command
+from toymlx_cli import console_command, run_command
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 from toymlx.backend.progress import draws_bars
@@ -654,6 +654,7 @@ def run_val_loss(events: list[dict], step: int | None) -> float | None:
     return None if ev is None else ev["val_loss"]
 
 
+@console_command("toymlx-export")
 def main(argv: list[str] | None = None) -> int:
     # Ctrl-C, a kill or a closed terminal stops an export at once, as toymlx-train before its
     # loop: the write in flight removes its temporaries (SIGINT too where a script started the

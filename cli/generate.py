@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import tyro
-from toymlx_cli import run_command
+from toymlx_cli import console_command, run_command
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 from toymlx.backend.files import counted, not_utf8
@@ -688,6 +688,7 @@ def run(args: Args) -> int:
     return 0
 
 
+@console_command("toymlx-generate")
 def main(argv: list[str] | None = None) -> int:
     return run_command(PROG, Args, run, argv, (ValueError, OSError, KeyError))
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from toymlx_cli import VersionAction, console_streams, output_may_close, readable_width
+from toymlx_cli import (
+    VersionAction,
+    console_command,
+    console_streams,
+    output_may_close,
+    readable_width,
+)
 from toymlx_cli.config_file import CONFIG_HELP, parser_defaults
 from toymlx_cli.usage import LAUNCHER_FLAGS, peer_hint
 
@@ -51,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+@console_command("toymlx-launch")
 def main(argv: list[str] | None = None) -> int:
     from toymlx.backend.device import restart_with_huge_pages
     from toymlx.runner.launch import launch

@@ -6,7 +6,13 @@ import argparse
 import os
 import sys
 
-from toymlx_cli import VersionAction, console_streams, output_may_close, readable_width
+from toymlx_cli import (
+    VersionAction,
+    console_command,
+    console_streams,
+    output_may_close,
+    readable_width,
+)
 from toymlx_cli.config_file import CONFIG_HELP, parser_defaults
 
 DEFAULT_DIR = "runs"
@@ -34,12 +40,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+@console_command("toymlx-report")
 def main(argv: list[str] | None = None) -> int:
+    from toymlx.backend.stop import SIGNALS, how_stopped, stops_raise
+
     if argv is None:  # the console script
         console_streams()
     p = _parser()
     with output_may_close():  # `| head`: the table is cut short, the report file still drawn
-        return _main(p, argv)
+        try:
+            # Ctrl-C (a kill, a closed terminal) while the runs are read or the report drawn
+            # ended in a traceback (a kill without a word): the report in flight is abandoned
+            # whole (an atomic write), an older one left as it was
+            with stops_raise(SIGNALS):
+                return _main(p, argv)
+        except KeyboardInterrupt as e:
+            what, code = how_stopped(e)
+            print(f"\ntoymlx-report: {what}; no report was written (an existing --out file is "
+                  "as it was): run it again to draw it", file=sys.stderr)
+            return code
 
 
 def _main(p: argparse.ArgumentParser, argv: list[str] | None) -> int:

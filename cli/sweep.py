@@ -10,7 +10,13 @@ import sys
 from collections.abc import Callable
 from functools import partial
 
-from toymlx_cli import VersionAction, console_streams, output_may_close, readable_width
+from toymlx_cli import (
+    VersionAction,
+    console_command,
+    console_streams,
+    output_may_close,
+    readable_width,
+)
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
 
@@ -241,6 +247,7 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
     return inputs, notes + data_notes
 
 
+@console_command("toymlx-sweep")
 def main(argv: list[str] | None = None) -> int:
     # `2>&1 | head -3`: the rest of the output is discarded, and the sweep stops as on Ctrl-C
     # (its runs checkpoint; summary and report written; exit 141); `| head -3` alone reads
@@ -374,17 +381,24 @@ def _sweep(args: argparse.Namespace, specs: list, shard: tuple[int, int], run_op
     from toymlx_cli.config_file import file_key_error
 
     from toymlx import sweeps as sweep
-    from toymlx.backend.stop import stop_outcome
+    from toymlx.backend.stop import SIGNALS, how_stopped, stop_outcome, stops_raise
 
     try:
-        result = sweep.run_sweep(args.recipe, specs, args.runs_root, args.workers, shard,
-                                 args.sweep_id, retry_failed=not args.no_retry_failed,
-                                 progress=not args.no_progress, report_png=not args.no_report,
-                                 run_options=run_options, inputs=inputs, config_file=path,
-                                 run_config=run_config, said=notes)
+        # the runs count the stop signals while they run (each checkpoints and ends); before
+        # and after them (the summary and report.png written) one stops the sweep at once, its
+        # file in flight abandoned whole (an atomic write), and the sweep says so in one line
+        with stops_raise(SIGNALS):
+            result = sweep.run_sweep(args.recipe, specs, args.runs_root, args.workers, shard,
+                                     args.sweep_id, retry_failed=not args.no_retry_failed,
+                                     progress=not args.no_progress,
+                                     report_png=not args.no_report, run_options=run_options,
+                                     inputs=inputs, config_file=path, run_config=run_config,
+                                     said=notes)
     except (ValueError, OSError) as e:
         print(f"toymlx-sweep: error: {file_key_error(str(e), keys, path)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # run_sweep said what it stopped and how to finish it
+        return how_stopped(e)[1]
     if "interrupted" in result.states.values() or result.signal:
         return stop_outcome(result.signal)[1]  # 128 + the signal's number (Ctrl-C: 130)
     return 0 if result.ok else 1

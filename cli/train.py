@@ -6,7 +6,7 @@ import argparse
 import atexit
 import sys
 
-from toymlx_cli import console_streams, output_may_close, print_version
+from toymlx_cli import console_command, console_streams, output_may_close, print_version
 from toymlx_cli.config_file import CONFIG_HELP
 
 import toymlx  # noqa: F401  (loads the optimised BLAS before mlx)
@@ -85,6 +85,7 @@ def _ignore_late_signals() -> None:
     ignore_stop_signals()
 
 
+@console_command("toymlx-train")
 def main(argv: list[str] | None = None) -> int:
     from toymlx.backend.device import restart_with_huge_pages
     from toymlx.backend.lifeline import watch_parent

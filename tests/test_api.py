@@ -652,6 +652,54 @@ def test_a_list_for_an_option_of_one_value_is_named_by_its_keyword(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_keyword_of_the_wrong_type_is_refused_naming_it_and_its_type(tmp_path):
+    """`steps="10"` ran as `--steps 10` (the command read the text), `steps=True` was a flag's
+    text the command refused; every option's value is now checked against the type its flag
+    takes before anything starts: an int takes no bool or float, a float takes an int, a choice
+    one of its values, an option of several values a list of its type, a group a dict."""
+    import numpy as np
+
+    import toymlx
+
+    lora = {"base": "b.gguf"}
+    for recipe, options, want in [
+            ("from-scratch", {"steps": "10"}, "steps: expected an integer, found the str '10'"),
+            ("from-scratch", {"steps": True}, "steps: expected an integer, found the bool True"),
+            ("from-scratch", {"steps": 10.0}, "steps: expected an integer, found the float 10.0"),
+            ("from-scratch", {"lr": "1e-3"}, "lr: expected a number, found the str '1e-3'"),
+            ("from-scratch", {"model": {"d_model": "32"}},
+             'model={"d_model": ...}: expected an integer, found the str \'32\''),
+            ("lora", {**lora, "optimizer": "adamx"},
+             ('optimizer: expected one of "adamw", "adam", "sgd", "adafactor", "muon", found '
+              "the str 'adamx'")),
+            ("lora", {**lora, "lr_schedule_args": (0.5, "x")},
+             "lr_schedule_args: expected a number for each value, found the str 'x'"),
+            ("from-scratch", {"data": "d.txt"},
+             "data: expected a dict (a group of options), found the str 'd.txt'"),
+            ("from-scratch", {"from_step": 1.5},
+             "from_step: expected a step (an int, or step_N), found the float 1.5")]:
+        with pytest.raises(toymlx.OptionError) as e:
+            toymlx.train(recipe, runs_root=str(tmp_path), echo=False, **options)
+        assert str(e.value) == want
+    assert list(tmp_path.iterdir()) == []
+    run = tmp_path / "run"  # a resume's keywords, by the run's recipe
+    run.mkdir()
+    (run / "config.json").write_text('{"recipe": "from-scratch", "config": {}}')
+    with pytest.raises(toymlx.OptionError) as e:
+        toymlx.train(resume=str(run), steps="10", echo=False)
+    assert str(e.value) == "steps: expected an integer, found the str '10'"
+    assert sorted(p.name for p in run.iterdir()) == ["config.json"]
+    # what each type takes: a float an int, an int a numpy int, a choice its value
+    from toymlx.recipes import get_recipe
+    from toymlx.runner.api import _check_types
+
+    _check_types({"lr": 1, "steps": np.int64(3), "seq_len": 8, "optimizer": "sgd",
+                  "lr_schedule_args": [1, 0.5], "from_step": 5, "run_id": tmp_path,
+                  "compile": False}, get_recipe("lora").Config)
+    _check_types({"model": {"d_model": 32}, "from_step": "step_2"},
+                 get_recipe("from-scratch").Config)
+
+
 def test_the_config_file_is_named_as_the_config_keyword(tmp_path):
     """A -c file's own fault read `-c/config:` to a caller of `train(config=...)`."""
     import toymlx

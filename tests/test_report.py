@@ -586,3 +586,43 @@ def test_a_report_it_drew_is_drawn_again_and_any_other_file_refused(tmp_path, ca
             f"toymlx-report: error: {out}: --out: expected a new file, found an existing file; "
             "pass --overwrite to replace it, or choose another --out\n")
         assert (tmp_path / out).read_bytes() == kept
+
+
+def test_a_stop_while_the_report_is_drawn_is_one_line_and_no_half_file(tmp_path, capsys,
+                                                                        monkeypatch):
+    """Ctrl-C while toymlx-report drew its report ended in a KeyboardInterrupt traceback; now
+    one line saying nothing was written and how to finish, exit status 130, the existing --out
+    file as it was and no temporary beside it."""
+    import os
+    import signal
+    import time
+
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    from toymlx.backend.stop import SIGNALS
+
+    def cut(self, f, *args, **kw):
+        f.write(b"\x89PNG half a report")
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while report.png is written
+        time.sleep(5)  # not reached: the handler raises at once
+        raise AssertionError("the stop was not raised")
+
+    run = _bundle(tmp_path / "a", [[("run_start", {"recipe": "from-scratch",
+                                                   "config": {"steps": 3}}), *_steps(1, 3)]])
+    out = tmp_path / "rep.png"
+    assert report_main([str(run), "--out", str(out)]) == 0
+    drawn = out.read_bytes()
+    capsys.readouterr()
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", cut)
+    before = {s: signal.getsignal(s) for s in SIGNALS}
+    try:
+        assert report_main([str(run), "--out", str(out)]) == 130
+    finally:
+        for s, h in before.items():  # a stop leaves them ignored until the process exits
+            signal.signal(s, h)
+    assert capsys.readouterr().err == (
+        "\ntoymlx-report: interrupted; no report was written (an existing --out file is as it "
+        "was): run it again to draw it\n")
+    assert out.read_bytes() == drawn
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []

@@ -1634,3 +1634,86 @@ def test_a_sweep_file_key_that_does_not_apply_is_refused_a_run_config_is_not(
         "recipe": "lora", "config": options}
     saved = json.loads((tmp_path / "s" / "lr=0.001" / "config.json").read_text())["config"]
     assert (saved["fine_tune_type"], saved["lr"], saved["steps"]) == ("full", 1e-3, 1)
+
+
+def test_a_second_sweep_of_one_id_is_refused_while_the_first_runs(tmp_path, capsys):
+    """Two sweeps of one id (and shard) at once both ran, the runs split between them, and the
+    first to end exited 0 with a partial summary. The second is refused before it writes
+    anything, naming the folder and the first's pid, from Python and from toymlx-sweep; a first
+    that was killed (-9) blocks no one."""
+    from cli_errors import error_line
+
+    from toymlx.sweeps.supervisor import shard_lock
+
+    specs = sweep.grid([*TINY, "--steps", "2"], {"lr": [2e-3]})
+    folder = tmp_path / "s"
+    (folder / ".locks").mkdir(parents=True)
+    hold = "; ".join(HOLD.strip().splitlines())  # one line: the refusal names its command
+    first = subprocess.Popen([sys.executable, "-c", hold, str(folder / ".locks" /
+                                                            shard_lock((0, 1)))],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "held"
+        before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+        with pytest.raises(LockHeld) as e:
+            sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="s", progress=False,
+                            report_png=False)
+        assert str(e.value).startswith(f"{folder}: the sweep: in use by process {first.pid} (")
+        assert str(e.value).endswith(f"; wait for it to end, or stop it first (kill -INT "
+                                     f"{first.pid})")
+        assert sweep_main(["--recipe", "from-scratch", "--grid", "lr=2e-3", "--runs-root",
+                           str(tmp_path), "--sweep-id", "s", "--no-progress", "--no-report",
+                           *TINY, "--steps", "2"]) == 2
+        assert error_line(capsys, "toymlx-sweep") == f"toymlx-sweep: error: {e.value}"
+        assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before
+        first.kill()  # kill -9: its lock dies with it
+        first.wait()
+        result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="s", progress=False,
+                                 report_png=False)
+        assert result.states == {"lr=0.002": "done"}
+    finally:
+        end_child(first)
+
+
+@pytest.mark.parametrize("sig, line, code", [
+    (signal.SIGINT, "interrupted", 130), (signal.SIGTERM, "stopped by SIGTERM", 143)])
+def test_a_stop_while_the_summary_is_written_is_one_line_and_no_half_file(
+        tmp_path, capsys, monkeypatch, sig, line, code):
+    """Ctrl-C while the sweep wrote its summary and drew report.png ended toymlx-sweep in a
+    KeyboardInterrupt traceback (a SIGTERM killed it without a word, its report's temporary
+    left); now one line saying what was stopped and how to finish it, the signal's exit status,
+    no report.png half-drawn and no temporary beside it; the same command then writes it."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.figure
+
+    from toymlx.backend.stop import SIGNALS
+
+    savefig = matplotlib.figure.Figure.savefig
+
+    def cut(self, f, *args, **kw):
+        f.write(b"\x89PNG half a report")
+        os.kill(os.getpid(), sig)  # the stop comes while report.png is written
+        time.sleep(5)  # not reached: the handler raises at once
+        raise AssertionError("the stop was not raised")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", cut)
+    argv = ["--recipe", "from-scratch", "--grid", "lr=2e-3", "--runs-root", str(tmp_path),
+            "--sweep-id", "s", "--no-progress", *TINY, "--steps", "2"]
+    before = {s: signal.getsignal(s) for s in SIGNALS}
+    try:
+        assert sweep_main(argv) == code
+    finally:
+        for s, h in before.items():  # a stop leaves them ignored until the process exits
+            signal.signal(s, h)
+    err = capsys.readouterr().err
+    folder = tmp_path / "s"
+    assert "Traceback" not in err and err.endswith(
+        f"sweep: {line} while writing its summary (summary.csv, summary.jsonl, report.png in "
+        f"{folder}); none was left half-written: run the same command again to write it (its "
+        "completed runs are skipped, stopped ones resume)\n"), err
+    assert not (folder / "report.png").exists()
+    assert sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name) == []
+    assert [r["status"] for r in _csv(folder / "summary.csv")] == ["completed"]
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    assert sweep_main(argv) == 0
+    assert (folder / "report.png").read_bytes()[:4] == b"\x89PNG"

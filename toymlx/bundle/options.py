@@ -168,6 +168,16 @@ def found_text(v: Any) -> str:
     return f"{text if len(text) <= 40 else text[:37] + '...'} ({kind})"
 
 
+def type_mismatch(t: Any, v: Any) -> str | None:
+    """What the annotation `t` expects ("an integer", "one of ...") where the JSON value `v` is
+    not of it, else None: `_coerce`'s check for a caller with its own message."""
+    try:
+        _coerce(t, v, "", "")
+    except _Mismatch as m:
+        return m.expected
+    return None
+
+
 def _coerce(t: Any, v: Any, key: str, source: str, complete: bool = True) -> Any:
     """`v` as the annotation `t` wants it; _Mismatch (what was expected) if it cannot be."""
     origin, args = typing.get_origin(t), typing.get_args(t)

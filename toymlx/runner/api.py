@@ -116,9 +116,9 @@ def _train(recipe: str | None, echo: bool, options: dict[str, Any]) -> dict[str,
     # a str the command checks, naming the recipes; None only where the run or file names it
     if not isinstance(recipe, str) and not (recipe is None and (resume or config) is not None):
         raise OptionError(f"recipe: expected one of {', '.join(RECIPES)}, found {recipe!r}")
-    if recipe in RECIPES:
-        cls = get_recipe(recipe).Config
-        _check_switches(options, _config_kinds(cls), many=frozenset(_many_flags(cls)))
+    # a resume's keywords (steps=, a run-local option) too, by the run's recipe
+    if (checked := recipe if recipe is not None else _resumed_recipe(resume)) in RECIPES:
+        _check_types(options, get_recipe(checked).Config)
     if resume is None and config is None and options.get("run_id") is None:
         options["run_id"] = default_run_id(recipe)  # known here, so the bundle can be read
     # a config file's runs_root and run_id are the child's to read: its bundle is then the
@@ -337,30 +337,80 @@ def _many_flags(cls: type, prefix: str = "") -> set[str]:
     return many
 
 
-def _check_switches(options: dict[str, Any], kinds: dict[str, Any], group: str = "",
-                    many: frozenset[str] = frozenset()) -> None:
-    """OptionError for an on/off option given a value other than True or False
-    (`compile="yes"`, `data={"flip": 1}`): spelled as its flag and a stray word, the command
-    said "compile=True: expected no value"; for a number given to an option of a path or name
-    (`_not_text`); and for a list or tuple given to an option of one
-    value (not among `many`, `_many_flags`): its values after the first were flags' words the
-    command named as strays (`'v': expected an option of toymlx.train("lora"), got a value no
-    option takes`)."""
+def _resumed_recipe(resume: Any) -> str | None:
+    """The recipe of the run `resume` names, as its config.json records it; None where it
+    cannot be read (the command then says why)."""
+    from toymlx.bundle.folder import read_config
+
+    if resume is None:
+        return None
+    try:
+        return read_config(Path(resume), "--resume")["recipe"]
+    except (OSError, ValueError):  # RunError
+        return None
+
+
+def _check_types(options: dict[str, Any], cls: type, group: str = "") -> None:
+    """OptionError for a keyword whose value the recipe's option (a field of its config
+    dataclass `cls`, the type its flag takes) does not take, before anything starts, naming the
+    keyword, what it takes and what was given: `steps="10"` ran as `--steps 10`, `steps=True`
+    as `--steps True`, refused by the command only as a flag's text. A float takes an int
+    (`lr=1`), an int no bool; an on/off option takes True or False (`compile="yes"` was
+    `--compile yes`); an option of a path or name a str or `pathlib.Path` (`_not_text`); an
+    option of one value no list (its values after the first were stray words), one of several
+    values a list or tuple of its type; a group of options (`data=`) a dict. None, and a
+    keyword the recipe does not have, are left to the command."""
+    from toymlx.bundle.options import type_mismatch
+
+    hints = typing.get_type_hints(cls)
     for key, value in options.items():
-        name = f"{group}.{key}" if group else key
-        flag = "--" + name.replace("_", "-")
+        if key not in hints or value is None:
+            continue
         shown = f'{group}={{"{key}": ...}}' if group else key
-        if isinstance(value, dict):
-            _check_switches(value, kinds, name, many)
-        elif kinds.get(flag) is True and value is not None and not isinstance(value, bool):
-            raise OptionError(f"{shown}: expected True or False, found {value!r}")
-        elif isinstance(value, (list, tuple)) and flag in kinds and flag not in many:
-            want = {int: "an integer", float: "a number"}.get(kinds[flag], "a string")
+        kind = hints[key]
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None: None is
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))  # skipped
+        many = typing.get_origin(kind) in (list, tuple)
+        if dataclasses.is_dataclass(kind):
+            if not isinstance(value, dict):
+                raise OptionError(f"{shown}: expected a dict (a group of options), found "
+                                  f"{_given(value)}")
+            _check_types(value, kind, f"{group}.{key}" if group else key)
+        elif kind is bool:
+            if not isinstance(value, bool):
+                raise OptionError(f"{shown}: expected True or False, found {value!r}")
+        elif isinstance(value, (list, tuple)) and not many:
+            want = {int: "an integer", float: "a number"}.get(kind, "a string")
             raise OptionError(f"{shown}: expected one value ({want}), found a "
                               f"{type(value).__name__} {list(value)!r}")
-        elif (kinds.get(flag) is str and flag not in many and flag != "--from"  # step_N or N
-              and isinstance(value, numbers.Real)):
-            raise OptionError(_not_text(shown, value))
+        elif kind is str and not group and key == "from_step":  # step_N, or N
+            if not isinstance(value, (str, os.PathLike, numbers.Integral)) \
+                    or isinstance(value, bool):
+                raise OptionError(f"{shown}: expected a step (an int, or step_N), found "
+                                  f"{_given(value)}")
+        elif kind is str:
+            if not isinstance(value, (str, os.PathLike)):
+                raise OptionError(_not_text(shown, value))
+        else:
+            item, each = (typing.get_args(kind)[0], " for each value") if many else (kind, "")
+            for v in value if many and isinstance(value, (list, tuple)) else [value]:
+                if (want := type_mismatch(item, _json_like(v))) is not None:
+                    raise OptionError(f"{shown}: expected {want}{each}, found {_given(v)}")
+
+
+def _json_like(value: Any) -> Any:
+    """A keyword's value as a config file would hold it, for `type_mismatch`: a numpy scalar
+    (`_scalar`) as the Python number it holds, a path as its text."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
+def _given(value: Any) -> str:
+    """A keyword's value as a refusal names it: its type and its repr (`the str '10'`)."""
+    return f"the {type(value).__name__} {value!r}"
 
 
 def _not_text(shown: str, value: Any) -> str:

@@ -8,7 +8,8 @@ Every combination is its own run bundle, `<root>/<sweep_id>/<run name>`, named f
 values. A sweep folder also holds `sweep.json` (the specs), `logs/<run>.log` (each run's
 output), `.locks/` (one `flock` per run while a sweep runs it, so two sweeps, or machines
 sharing the folder over a filesystem with locks such as NFS, never run one run twice; the lock
-dies with its holder; and one while a starting sweep checks and writes sweep.json),
+dies with its holder; one while a starting sweep checks and writes sweep.json; and one per
+shard while a sweep runs it, so that a second sweep of one id and shard is refused),
 `.status/` (exit codes), and at the end `summary.csv`, `summary.jsonl` and `report.png`.
 Each run is a `toymlx-train` child tied to the sweep: if the sweep is killed, its children
 checkpoint and stop. Starting the same sweep again skips completed runs, resumes torn or
@@ -36,7 +37,7 @@ from toymlx.backend import atomic
 from toymlx.backend.files import counted
 from toymlx.backend.lifeline import child_env, module_command
 from toymlx.backend.lock import LOCK_FILE, LockHeld, acquire
-from toymlx.backend.stop import SOLO_SIGNALS, STOP_CODES, StopSignals
+from toymlx.backend.stop import SOLO_SIGNALS, STOP_CODES, StopSignals, how_stopped
 from toymlx.bundle.checkpoint import resolve_latest
 from toymlx.bundle.events import read_events
 from toymlx.bundle.folder import UNWRITABLE, check_folder_name, upload_first, wandb_to_upload
@@ -63,6 +64,12 @@ sweep.json and writes it (no run's lock: a run's name holds "=", or is "base")."
 RECORD_WAIT_S = 30.0
 """How long a starting sweep waits for another to end that check and write (it takes
 milliseconds), before it names the holder and stops."""
+
+
+def shard_lock(shard: tuple[int, int]) -> str:
+    """The lock in the sweep folder's .locks/ that a sweep of shard `shard` (I, N) holds while it
+    runs: two sweeps of one id and shard never run at once; other shards of it do."""
+    return f"sweep-shard-{shard[0]}-of-{shard[1]}.lock"
 
 
 def run_state(run_dir: Path) -> str:
@@ -373,6 +380,25 @@ class _Runner:
             self._finish(r)
 
 
+class _SaidOnStop:
+    """Within it, a stop (Ctrl-C's KeyboardInterrupt, `Stopped` for SIGTERM or SIGHUP where the
+    caller raises them: toymlx-sweep) is said on `stream` in one line, `sweep: interrupted
+    <line>` (what it stopped and how to finish it), and passes on: a Ctrl-C while the summary
+    and report.png were written ended toymlx-sweep in a traceback. `line` follows the sweep's
+    phases."""
+
+    def __init__(self, stream: TextIO, line: str):
+        self.stream, self.line = stream, line
+
+    def __enter__(self) -> _SaidOnStop:  # noqa: PYI034
+        return self
+
+    def __exit__(self, kind: object, e: BaseException | None, tb: object) -> None:
+        if isinstance(e, KeyboardInterrupt):
+            with contextlib.suppress(OSError, ValueError):  # a console gone: the line is lost
+                self.stream.write(f"sweep: {how_stopped(e)[0]} {self.line}\n")
+
+
 def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "runs",
               workers: int = 1, shard: tuple[int, int] = (0, 1), sweep_id: str | None = None,
               *, retry_failed: bool = True, progress: bool = True, stream: TextIO | None = None,
@@ -425,64 +451,80 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
         raise ValueError(f"{sweep_dir}: {flag}: expected a folder it can write (the sweep's "
                          f"record, logs and each run's bundle), found {e.strerror or e} at "
                          f"{e.filename or sweep_dir}; {fix}choose another --runs-root") from None
-    # the check and the write under one lock: two sweeps of one id with other options, started
-    # at once, both found no sweep.json, and both ran, each its own options
-    with acquire(sweep_dir / ".locks" / RECORD_LOCK, str(sweep_dir / report.SWEEP_FILE),
-                 wait=RECORD_WAIT_S):
-        changed = changed_options(sweep_dir, recipe, specs, run_options, inputs)
-        if changed:
-            raise ValueError(f"{sweep_dir}: --sweep-id {sweep_id}: expected the options this "
-                             f"sweep was started with, found {', '.join(changed)} changed; give "
-                             "a new --sweep-id to run the changed sweep, or put them back")
-        for sub in ("logs", ".status"):
-            (sweep_dir / sub).mkdir(exist_ok=True)
-        write_sweep_file(sweep_dir, recipe, specs, run_options, inputs)
-        options_file = None
-        if run_options:
-            options_file = sweep_dir / RUN_OPTIONS_FILE
-            atomic.write_text(options_file, json.dumps(
-                {"recipe": recipe, "config": run_options} if run_config else run_options,
-                indent=1))
-    # said up front: with --no-progress, a sweep run again printed the same table as the
-    # first time, nothing telling that no run was run (nor, continued after a Ctrl-C, that
-    # its runs go on from their checkpoints, not from step 0)
-    runs = [SweptRun(s, sweep_dir / s.name) for s in mine]
-    steps = [next_step(sweep_dir, r, retry_failed) for r in runs]
-    said = {"skip": "finished before, skipped", "resume": "to resume from their checkpoints",
-            "report": "failed before, reported (--no-retry-failed)"}
-    stream.write(f"sweep {sweep_dir}: {counted(len(specs), 'run')}, {len(mine)} on this shard "
-                 f"({shard[0]}/{shard[1]}), {counted(workers, 'worker')}"
-                 + "".join(f"; {steps.count(k)} {v}" for k, v in said.items() if k in steps)
-                 + "\n")
-    runner = _Runner(recipe, sweep_dir, runs, workers, retry_failed, busy_wait,
-                     python or sys.executable, LiveView(stream, progress, heartbeat), stream,
-                     options_file, said, config_file)
-    interrupted = runner.run()
+    # one sweep of an id (and shard) at a time: a second one started while the first ran (the
+    # same command in another terminal) ran too, the runs split between them, and the first to
+    # end exited 0 with a partial summary; refused now before it writes anything. A flock: a
+    # sweep killed (-9) holds it no longer.
+    stop = _SaidOnStop(stream, "before any run started; nothing was run")
+    with acquire(sweep_dir / ".locks" / shard_lock(shard),
+                 f"{sweep_dir}: the sweep" + (f" (shard {shard[0]}/{shard[1]})"
+                                              if shard[1] > 1 else "")), stop:
+        # the check and the write under one lock: two sweeps of one id with other options, started
+        # at once, both found no sweep.json, and both ran, each its own options
+        with acquire(sweep_dir / ".locks" / RECORD_LOCK, str(sweep_dir / report.SWEEP_FILE),
+                     wait=RECORD_WAIT_S):
+            changed = changed_options(sweep_dir, recipe, specs, run_options, inputs)
+            if changed:
+                raise ValueError(f"{sweep_dir}: --sweep-id {sweep_id}: expected the options "
+                                 f"this sweep was started with, found {', '.join(changed)} "
+                                 "changed; give a new --sweep-id to run the changed sweep, or "
+                                 "put them back")
+            for sub in ("logs", ".status"):
+                (sweep_dir / sub).mkdir(exist_ok=True)
+            write_sweep_file(sweep_dir, recipe, specs, run_options, inputs)
+            options_file = None
+            if run_options:
+                options_file = sweep_dir / RUN_OPTIONS_FILE
+                atomic.write_text(options_file, json.dumps(
+                    {"recipe": recipe, "config": run_options} if run_config else run_options,
+                    indent=1))
+        # said up front: with --no-progress, a sweep run again printed the same table as the
+        # first time, nothing telling that no run was run (nor, continued after a Ctrl-C, that
+        # its runs go on from their checkpoints, not from step 0)
+        runs = [SweptRun(s, sweep_dir / s.name) for s in mine]
+        steps = [next_step(sweep_dir, r, retry_failed) for r in runs]
+        said = {"skip": "finished before, skipped", "resume": "to resume from their checkpoints",
+                "report": "failed before, reported (--no-retry-failed)"}
+        stream.write(f"sweep {sweep_dir}: {counted(len(specs), 'run')}, {len(mine)} on this shard "
+                     f"({shard[0]}/{shard[1]}), {counted(workers, 'worker')}"
+                     + "".join(f"; {steps.count(k)} {v}" for k, v in said.items() if k in steps)
+                     + "\n")
+        runner = _Runner(recipe, sweep_dir, runs, workers, retry_failed, busy_wait,
+                         python or sys.executable, LiveView(stream, progress, heartbeat), stream,
+                         options_file, said, config_file)
+        stop.line = "while its runs ran; run the same command again to resume them"
+        interrupted = runner.run()
 
-    elsewhere = [r.spec.name for r in runs if r.state == "elsewhere"]
-    result = summarize_sweep(sweep_dir, report_png=report_png, stream=stream,
-                             elsewhere=len(elsewhere))
-    result.states = {r.spec.name: r.state for r in runs}
-    result.signal = runner.first
-    for r in runs:
-        if r.state in ("failed", "diverged"):
-            stream.write(f"sweep: {r.shown.upper()} {r.spec.name}: {r.message} "
-                         f"(log: {sweep_dir / 'logs' / (r.spec.name + '.log')})\n")
-            # a run killed (kill -9, out of memory) is resumed too, not started over: said,
-            # as a full disk's is, where the line above said only how it failed
-            if r.state == "failed" and resumes(r.dir):
-                disk = ("free space (or make the folder writable) and "
-                        if failed_on_the_disk(r.dir) else "")
-                again = ("run the same command again" if retry_failed else
-                         "run the command again without --no-retry-failed")
-                stream.write(f"sweep: {r.spec.name}: its checkpoints are intact: {disk}{again}; "
-                             "it resumes from them\n")
-        elif r.state == "elsewhere":
-            stream.write(f"sweep: {r.spec.name}: skipped here: {r.message}\n")
-    if elsewhere:  # this sweep ended first: its table is not the sweep's result yet
-        stream.write(f"sweep: {counted(len(elsewhere), 'run')} still running elsewhere, so this "
-                     f"summary is partial: the other process's end, or toymlx-report "
-                     f"{sweep_dir} once they end, gives the whole sweep\n")
-    if interrupted:
-        stream.write("sweep: interrupted; run the same command again to resume\n")
-    return result
+        elsewhere = [r.spec.name for r in runs if r.state == "elsewhere"]
+        files = ["summary.csv", "summary.jsonl", *(["report.png"] if report_png else [])]
+        stop.line = (f"while writing its summary ({', '.join(files)} in {sweep_dir}); none was "
+                     "left half-written: run the same command again to write it (its completed "
+                     "runs are skipped, stopped ones resume)")
+        result = summarize_sweep(sweep_dir, report_png=report_png, stream=stream,
+                                 elsewhere=len(elsewhere))
+        stop.line = (f"after writing its summary (in {sweep_dir}); run the same command again to "
+                     "resume its stopped runs")
+        result.states = {r.spec.name: r.state for r in runs}
+        result.signal = runner.first
+        for r in runs:
+            if r.state in ("failed", "diverged"):
+                stream.write(f"sweep: {r.shown.upper()} {r.spec.name}: {r.message} "
+                             f"(log: {sweep_dir / 'logs' / (r.spec.name + '.log')})\n")
+                # a run killed (kill -9, out of memory) is resumed too, not started over: said,
+                # as a full disk's is, where the line above said only how it failed
+                if r.state == "failed" and resumes(r.dir):
+                    disk = ("free space (or make the folder writable) and "
+                            if failed_on_the_disk(r.dir) else "")
+                    again = ("run the same command again" if retry_failed else
+                             "run the command again without --no-retry-failed")
+                    stream.write(f"sweep: {r.spec.name}: its checkpoints are intact: "
+                                 f"{disk}{again}; it resumes from them\n")
+            elif r.state == "elsewhere":
+                stream.write(f"sweep: {r.spec.name}: skipped here: {r.message}\n")
+        if elsewhere:  # this sweep ended first: its table is not the sweep's result yet
+            stream.write(f"sweep: {counted(len(elsewhere), 'run')} still running elsewhere, so "
+                         f"this summary is partial: the other process's end, or toymlx-report "
+                         f"{sweep_dir} once they end, gives the whole sweep\n")
+        if interrupted:
+            stream.write("sweep: interrupted; run the same command again to resume\n")
+        return result
