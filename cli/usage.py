@@ -208,6 +208,15 @@ def _given(argv: list[str], names: Sequence[str]) -> tuple[int | None, list[str]
     return None, []
 
 
+def flag_as_typed(argv: list[str], cls: type, name: str) -> str | None:
+    """The option `name` (a field of `cls`) as the command line `argv` spells it at its last use,
+    as tyro takes it: an alias as typed (toymlx-eval's --limit, mlx_lm.evaluate's, for
+    --max-examples), so a line about it names what the user wrote; None where argv does not
+    give it."""
+    at, _ = _given(argv, ["--" + k for k, path in option_table(cls).items() if path == (name,)])
+    return None if at is None else argv[at].partition("=")[0]
+
+
 def _flags(cls: type) -> dict[str, bool]:
     """Every option of `cls` spelled as `option_table` spells them, tyro's `no_x` of a plain
     bool included -> whether it is a flag that takes no value (a plain bool)."""
