@@ -294,8 +294,8 @@ LLAMA_CPP_FLAGS: PeerFlags = {
                    ("seq_len", "llama.cpp's --ctx-size is --seq-len here")),
     **dict.fromkeys(("-f", "--file"), (("prompt", "llama.cpp's -f FILE is --prompt - < FILE here"),)),
 }
-"""llama.cpp's flags (llama-cli, llama-completion, llama-perplexity) as its users type them, those
-toymlx-generate does not take as aliases (its -p, -n, -s, -sys); -m,
+"""llama.cpp's flags (llama-cli, llama-completion, llama-perplexity) as its users type them
+(toymlx-generate takes -p, -n, -s and -sys as aliases; -s is named here for toymlx-train); -m,
 which mlx_lm.generate spells for --max-tokens, is both where the command has both; --lora is
 the adapter, or the run folder where a command takes the adapter with its base; --lora-scaled
 too, at the adapter's own scale (a toymlx adapter is applied at its alpha / rank, llama.cpp's S
