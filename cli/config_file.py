@@ -447,13 +447,29 @@ def _flag(key: str) -> str:
 
 
 def _spellings(cls: type, f: dataclasses.Field) -> list[str]:
-    """A field's own name and the names tyro gives it (`tyro.conf.arg(name=..., aliases=...)`)."""
+    """A field's own name and the names tyro gives it (`tyro.conf.arg(name=..., aliases=...)`),
+    less a short flag (toymlx-generate's -p): a command line's, not a file key or an option to
+    suggest (`short_flags`)."""
     names = [f.name]
     for meta in getattr(typing.get_type_hints(cls, include_extras=True)[f.name],
                         "__metadata__", ()):
         names += [n for n in [getattr(meta, "name", None)] if isinstance(n, str)]
-        names += [a for a in getattr(meta, "aliases", None) or () if isinstance(a, str)]
+        names += [a for a in getattr(meta, "aliases", None) or ()
+                  if isinstance(a, str) and not _is_short(a)]
     return [_norm(n) for n in names]
+
+
+def _is_short(flag: str) -> bool:
+    return flag.startswith("-") and not flag.startswith("--")
+
+
+def short_flags(cls: type) -> dict[str, str]:
+    """{short flag: field} of `cls`'s one-dash aliases (toymlx-generate's -p, -n, -s, -sys: the
+    flags mlx_lm.generate's and llama-cli's users type)."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {a: f.name for f in dataclasses.fields(cls) if f.init
+            for meta in getattr(hints[f.name], "__metadata__", ())
+            for a in getattr(meta, "aliases", None) or () if isinstance(a, str) and _is_short(a)}
 
 
 def option_table(cls: type, prefix: str = "") -> dict[str, tuple[str, ...]]:

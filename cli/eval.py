@@ -69,6 +69,9 @@ class Args:
     call), for a quick estimate: images (a ViT), windows of --seq-len tokens (a text run),
     chat/SFT rows (a LoRA run; a Llama GGUF on chat examples); the report says N of how many.
     More than the split holds scores all of it. Default: the whole split."""
+    max_examples_flag: str = dataclasses.field(init=False, default="--max-examples")
+    """--max-examples as the command line spells it (--limit, mlx_lm.evaluate's): what the
+    report and a refusal name (`flag_as_typed`); not an option."""
     data_pack: Annotated[bool, tyro.conf.arg(
         name="data.pack", help_behavior_hint="(default: a run's own, else off)"),
         tyro.conf.FlagCreatePairsOff] = False
@@ -114,7 +117,15 @@ PROG = "toymlx-eval"
 
 @console_command("toymlx-eval")
 def main(argv: list[str] | None = None) -> int:
-    return run_command(PROG, Args, show, argv, outputs=("plot",))
+    from toymlx_cli.usage import flag_as_typed
+
+    typed = flag_as_typed(sys.argv[1:] if argv is None else argv, Args, "max_examples")
+
+    def run(args: Args) -> int:
+        args.max_examples_flag = typed or args.max_examples_flag
+        return show(args)
+
+    return run_command(PROG, Args, run, argv, outputs=("plot",))
 
 
 def show(args: Args) -> int:
@@ -135,9 +146,10 @@ def check_sizes(args: Args) -> None:
         raise ValueError(f"--eval-batches: expected >= 1 batches, or -1 (every validation row), "
                          f"found {args.eval_batches}")
     if args.eval_batches is not None and args.max_examples is not None:
-        raise ValueError(f"--eval-batches {args.eval_batches} --max-examples "
-                         f"{args.max_examples}: expected one of them (--max-examples scores the "
-                         "first N of the whole split); drop one")
+        flag = args.max_examples_flag
+        raise ValueError(f"--eval-batches {args.eval_batches} {flag} {args.max_examples}: "
+                         f"expected one of them ({flag} scores the first N of the whole split); "
+                         "drop one")
     if args.data_pack and args.data_no_pack:
         raise ValueError("--data.pack, --data.no-pack: expected one of them, got both")
     if args.data_mask_prompt and args.data_no_mask_prompt:
@@ -147,15 +159,16 @@ def check_sizes(args: Args) -> None:
         raise ValueError(f"--seq-len: expected >= 1 tokens (or leave it out: the run's own, "
                          f"else 256), found {args.seq_len}")
     if args.max_examples is not None and args.max_examples < 1:
-        raise ValueError(f"--max-examples: expected >= 1 examples to score (or leave it out: "
-                         f"the whole split), found {args.max_examples}")
+        raise ValueError(f"{args.max_examples_flag}: expected >= 1 examples to score (or leave "
+                         f"it out: the whole split), found {args.max_examples}")
 
 
 def subset(limit: int | None, scored: int, total: int, split: str, unit: str,
-           rows: str = "", tail: str = "") -> dict:
-    """The report's words on how much of `split` --max-examples `limit` scored: `scored` of
-    its `total` `unit`s (`unit` one, as `counted` takes it: "example"; `tail` after it: " of 16
-    tokens"; `rows`: what they made, said first); nothing without the flag. A split of one
+           rows: str = "", tail: str = "", flag: str = "--max-examples") -> dict:
+    """The report's words on how much of `split` --max-examples `limit` (`flag`, as typed)
+    scored: `scored` of its `total` `unit`s (`unit` one, as `counted` takes it: "example";
+    `tail` after it: " of 16 tokens"; `rows`: what they made, said first); nothing without the
+    flag. A split of one
     is "the only validation example", not "all 1 validation examples"."""
     from toymlx.backend.files import counted
 
@@ -165,7 +178,7 @@ def subset(limit: int | None, scored: int, total: int, split: str, unit: str,
     whole = counted(total, which + unit) + tail
     part = (f"the first {scored} of {whole}" if scored < total else
             f"all {whole}" if total != 1 else f"the only {which}{unit}{tail}")
-    return {"subset": f"{rows}{part} (--max-examples {limit})", "scored": scored, "of": total}
+    return {"subset": f"{rows}{part} ({flag} {limit})", "scored": scored, "of": total}
 
 
 class RunRows(NamedTuple):
@@ -688,7 +701,8 @@ def evaluate_images(args: Args, path: Path, rows: RunRows | None = None) -> dict
     pred, true, loss = predict(clf, itertools.chain.from_iterable(batches), scored,
                                bar_name(args))
     limited = (rows.words(len(true), total, "image") if rows is not None else
-               subset(args.max_examples, len(true), total, args.split, "image"))
+               subset(args.max_examples, len(true), total, args.split, "image",
+                      flag=args.max_examples_flag))
     m = confusion(pred, true, len(clf.names))
     if args.plot:
         try:
@@ -764,7 +778,7 @@ def evaluate_chat(args: Args, cfg: Any, rows: RunRows | None = None) -> dict:
     # rows: the examples of one row each (padded) or run together (packed, --data.pack)
     limited = (rows.words(r.rows, r.split_rows, "row") if rows is not None else
                subset(args.max_examples, r.examples, r.of, split, "example",
-                      f"{counted(r.rows, 'row')} made of "))
+                      f"{counted(r.rows, 'row')} made of ", flag=args.max_examples_flag))
     if cfg is None:  # a model outside a run: its rows are eval's, which the user must know
         if r.held:  # mlx-lm's data folder without valid.jsonl validates nothing
             print(f"{PROG}: --split val: {r.held}, as a run holds them out; --split all scores "
@@ -1003,7 +1017,8 @@ def evaluate(args: Args) -> dict:
         print(f"{PROG}: {args.data_path}: no test.jsonl, which mlx_lm.lora --test scores (it "
               "refuses a folder without one): scoring its training and validation examples "
               "(--split all); --split val scores the validation ones alone", file=sys.stderr)
-    args = dataclasses.replace(args, split=split)
+    flag, args = args.max_examples_flag, dataclasses.replace(args, split=split)
+    args.max_examples_flag = flag  # not an init field: replace leaves it at its default
     if bundle is not None and args.data_path is None:
         check_run_data(bundle, args.split)
     # a run's own validation split: the rows its eval events score (`run_rows`), unless
@@ -1107,7 +1122,8 @@ def evaluate(args: Args) -> dict:
                                 min(windows, picked.batches * bs), windows, "window")
                    if picked is not None else
                    subset(args.max_examples, min(windows, args.max_examples or windows),
-                          windows, args.split, "window", tail=f" of {seq_len} tokens"))
+                          windows, args.split, "window", tail=f" of {seq_len} tokens",
+                          flag=args.max_examples_flag))
         task = Task("eval", model, lm_loss, lambda s: {}, vb, None, None, {})
         m = command_evaluator(task, bar_name(args), "window")()
         mx.eval()

@@ -27,12 +27,12 @@ class Args:
 
     model: str
     """A llama-architecture GGUF file, or a run directory (its weights/latest is used)."""
-    prompt: str = ""
+    prompt: Annotated[str, tyro.conf.arg(aliases=("-p",))] = ""
     """The user's message, rendered through the GGUF's chat template wherever it has one (as
     mlx_lm.generate); raw text to continue with --ignore-chat-template or where there is no
     template; '-' reads it from stdin (as mlx_lm.generate). --chat without it: a conversation
     typed turn by turn, as mlx_lm.chat."""
-    max_tokens: int = 128
+    max_tokens: Annotated[int, tyro.conf.arg(aliases=("-n",))] = 128
     """Most new tokens to generate (generation also stops at an end-of-generation token, as
     llama.cpp: eos, or an end-of-turn token such as <|im_end|> or <|eot_id|>)."""
     context_shift: bool = True
@@ -57,7 +57,7 @@ class Args:
     """Drop tokens less likely than min_p times the most likely one (0: off)."""
     repetition_penalty: float | None = None
     """Divide the logits of the last 20 tokens by this (above 1 discourages repeats)."""
-    seed: int = 0
+    seed: Annotated[int, tyro.conf.arg(aliases=("-s",))] = 0
     """Seed for sampling, so a run can be repeated exactly."""
     num_samples: int = 1
     """Samples to draw from the prompt with the model loaded once (nanoGPT's num_samples):
@@ -70,7 +70,7 @@ class Args:
     ignore_chat_template: bool = False
     """Continue --prompt as raw text even where the GGUF has a chat template (mlx_lm.generate's
     flag; an instruct model often ends at once on raw text)."""
-    system: str | None = None
+    system: Annotated[str | None, tyro.conf.arg(aliases=("-sys",))] = None
     """An optional system message placed before the user's (the chat template only; where the
     template has no system role, as Gemma's, at the start of the user's message, as llama.cpp
     puts it)."""

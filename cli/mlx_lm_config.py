@@ -51,11 +51,13 @@ MLX_LM_DEFAULTS: dict[str, Any] = {
 MLX_LM_FIXED: dict[str, Any] = {"grad_clip": 0.0, "data.pack": False, "beta1": 0.9,
                                 "beta2": 0.999, "warmup": 0, "weight_decay": 0.0,
                                 "lr_schedule": "constant", "weight_decay_scope": "all",
-                                "data.train_turns": "last", "eval_at_start": True}
+                                "data.train_turns": "last", "eval_at_start": True,
+                                "data.val_fraction": 0.0}
 """What mlx-lm trains with and has no key for (its trainer does not clip, batches one
 example a row, validates at iteration 1 before any update; MLX's Adam betas, and its AdamW's
-decay on every trained array; mask_prompt trains a conversation's last message), where
-toymlx's lora recipe has another default."""
+decay on every trained array; mask_prompt trains a conversation's last message; a data folder
+without valid.jsonl trains on every example and validates none, mlx_lm/tuner/datasets.py's
+"Validation set not found or empty"), where toymlx's lora recipe has another default."""
 _NOTED = {
     "clear_cache_threshold": "toymlx manages MLX's cache itself",
     "trust_remote_code": "toymlx runs no model code from a repository",
@@ -744,7 +746,29 @@ def mlx_lm_parsed(cfg: Any, in_file: dict[str, Any], source: str, argv: list[str
         mlx_lm_keys(cfg, params.get("keys") if isinstance(params, dict) else None, source)
     if "--eval-batches" not in flags:
         notes += mlx_lm_held_out_rows(cfg, source, in_file.get("test_batches", 500))
+    if "--data.val-fraction" not in flags:
+        notes += mlx_lm_no_validation(cfg)
     return cfg, notes
+
+
+def mlx_lm_no_validation(cfg: Any) -> list[str]:
+    """The line for a data folder without valid.jsonl run from an mlx-lm file: every example of
+    its training file is trained on and none validates, as mlx-lm does it (`MLX_LM_FIXED`'s
+    --data.val-fraction 0, where toymlx's own default holds back a tenth)."""
+    from toymlx.data.chat import data_files
+
+    path = cfg.data.path
+    if cfg.data.val_fraction != 0 or not path or not Path(path).is_dir():
+        return []
+    try:
+        files = data_files(path)
+    except ValueError:  # left to the reader, which names it
+        return []
+    if files.valid is not None:
+        return []
+    return [(f"{path}: no valid.jsonl: every example of {files.train.name} is trained on and "
+             "none validates, as in mlx-lm (its \"Validation set not found or empty\"); "
+             "--data.val-fraction 0.1 holds back its last tenth to validate on")]
 
 
 def mlx_lm_held_out_rows(cfg: Any, source: str, test_batches: Any = 500) -> list[str]:

@@ -29,6 +29,7 @@ from toymlx_cli.config_file import (
     closest_option,
     mlx_lm_hint,
     option_table,
+    short_flags,
 )
 
 
@@ -58,6 +59,8 @@ def parse_options(cls: type, argv: list[str], prog: str, default: Any = None,
         if line is not None:
             raise UsageError(line)
 
+    if line := _run_together(cls, argv, prog):
+        raise UsageError(line)
     hooked = on_parse_error(refuse) if on_parse_error else contextlib.nullcontext()
     with hooked, readable_width():
         options = tyro.cli(cls, args=argv, prog=prog, default=default, description=description)
@@ -84,10 +87,7 @@ def _one_line(event: Any, cls: type, argv: list[str]) -> str | None:
     if kind == "UnrecognizedArgs":
         return _unrecognized(event.tokens, cls, argv, event.prog)
     if kind == "MissingArgs":
-        flags = _flags(cls)
-        unknown = [t for t in argv if t.startswith("-") and not _is_number(t) and t != "--"
-                   and t.partition("=")[0].lstrip("-").replace("-", "_") not in flags
-                   and t.partition("=")[0] not in ("-h", "--help")]
+        unknown = _unknown_options(cls, argv)
         if unknown:  # `-m FILE` leaves --model missing: the unknown option is what to say
             return _unrecognized(unknown, cls, argv, event.prog)
         names = ", ".join(a.arg.display_name() for a in event.missing_arguments)
@@ -208,6 +208,36 @@ def _given(argv: list[str], names: Sequence[str]) -> tuple[int | None, list[str]
     return None, []
 
 
+def _run_together(cls: type, argv: list[str], prog: str) -> str | None:
+    """The line for the unknown options of `argv` where one starts with a one-letter option of
+    `cls` (toymlx-generate's -n, -s, -p): argparse reads llama.cpp's -ngl as -n with the value
+    `gl` and -sp as -s with `p`, so tyro would name the wrong flag or a stray value; None where
+    there is no such token."""
+    short = short_flags(cls)
+    unknown = _unknown_options(cls, argv)
+    if not any(not t.startswith("--") and t[:2] in short for t in unknown):
+        return None
+    return _unrecognized(unknown, cls, argv, prog)
+
+
+def _unknown_options(cls: type, argv: list[str]) -> list[str]:
+    """The tokens of `argv` that look like options `cls` does not have (`-m`, `--lora`)."""
+    flags, short = _flags(cls), short_flags(cls)
+    return [t for t in argv if t.startswith("-") and not _is_number(t) and t not in ("-", "--")
+            and t.partition("=")[0].lstrip("-").replace("-", "_") not in flags
+            and t.partition("=")[0] not in ("-h", "--help", *short)]
+
+
+def flag_as_typed(argv: list[str], cls: type, name: str) -> str | None:
+    """The option `name` (a field of `cls`) as the command line `argv` spells it at its last use,
+    as tyro takes it: an alias as typed (toymlx-eval's --limit, mlx_lm.evaluate's, for
+    --max-examples), so a line about it names what the user wrote; None where argv does not
+    give it."""
+    at, _ = _given(argv, ["--" + k for k, path in option_table(cls).items() if path == (name,)]
+                   + [a for a, field in short_flags(cls).items() if field == name])
+    return None if at is None else argv[at].partition("=")[0]
+
+
 def _flags(cls: type) -> dict[str, bool]:
     """Every option of `cls` spelled as `option_table` spells them, tyro's `no_x` of a plain
     bool included -> whether it is a flag that takes no value (a plain bool)."""
@@ -235,8 +265,6 @@ LLAMA_CPP_FLAGS: PeerFlags = {
     "-m": (("max_tokens", ("llama.cpp's -m is --model here, mlx_lm.generate's -m is "
                            "--max-tokens")),
            ("model", "did you mean --model?")),
-    "-p": (("prompt", "did you mean --prompt?"),),
-    "-n": (("max_tokens", "did you mean --max-tokens?"),),
     "--n-predict": (("max_tokens", "did you mean --max-tokens?"),),
     "-s": (("seed", "did you mean --seed?"),),
     "--lora": (("adapter", "llama.cpp's --lora FILE is --adapter FILE here (or the run's folder)"),
@@ -258,8 +286,7 @@ LLAMA_CPP_FLAGS: PeerFlags = {
         ("device", ("llama.cpp's -ngl is --device gpu here (the whole model on MLX's GPU; "
                     "--device cpu: none of it)")),)),
     **dict.fromkeys(("-cnv", "--conversation"), (("chat", "llama.cpp's -cnv is --chat here"),)),
-    **dict.fromkeys(("-sys", "--system-prompt"), (
-        ("system", "llama.cpp's -sys is --system here"),)),
+    "--system-prompt": (("system", "llama.cpp's --system-prompt is --system here"),),
     "--ctx-size": (("context_shift", ("llama.cpp's --ctx-size has no counterpart here: the "
                                       "model's own context is read (a from-scratch run's "
                                       "--seq-len), the text shifted past it "
@@ -267,7 +294,8 @@ LLAMA_CPP_FLAGS: PeerFlags = {
                    ("seq_len", "llama.cpp's --ctx-size is --seq-len here")),
     **dict.fromkeys(("-f", "--file"), (("prompt", "llama.cpp's -f FILE is --prompt - < FILE here"),)),
 }
-"""llama.cpp's flags (llama-cli, llama-completion, llama-perplexity) as its users type them; -m,
+"""llama.cpp's flags (llama-cli, llama-completion, llama-perplexity) as its users type them
+(toymlx-generate takes -p, -n, -s and -sys as aliases; -s is named here for toymlx-train); -m,
 which mlx_lm.generate spells for --max-tokens, is both where the command has both; --lora is
 the adapter, or the run folder where a command takes the adapter with its base; --lora-scaled
 too, at the adapter's own scale (a toymlx adapter is applied at its alpha / rank, llama.cpp's S

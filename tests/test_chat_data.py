@@ -1060,6 +1060,11 @@ def test_an_empty_valid_jsonl_is_one_line(tmp_path):
         '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}, or no '
         "valid.jsonl (the last --data.val-fraction 0.1 of train.jsonl then validates; mlx-lm "
         "would train without validation)")
+    with pytest.raises(DataError) as e:  # an mlx-lm config's (--data.val-fraction 0)
+        SplitExamples.of(folder, 0.0)
+    assert str(e.value).endswith(
+        "or no valid.jsonl (every example of train.jsonl then trains and none validates, as "
+        "mlx-lm trains with an empty one)")
 
 
 @pytest.mark.parametrize("pack", [True, False])

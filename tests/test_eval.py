@@ -75,8 +75,22 @@ def test_the_confusion_matrix_heads_each_column_with_its_whole_class_name():
 def test_a_count_below_one_is_one_line(flag, value, capsys):
     assert eval_main(["--model", "nowhere.gguf", flag, value]) == 2
     assert capsys.readouterr().err == (
-        f"toymlx-eval: error: --max-examples: expected >= 1 examples to score (or leave it out: "
+        f"toymlx-eval: error: {flag}: expected >= 1 examples to score (or leave it out: "
         f"the whole split), found {value}\n")
+
+
+@pytest.mark.parametrize("flag", ["--max-examples", "--limit", "--limit=2"])
+def test_the_subset_flag_is_named_as_typed(flag, capsys):
+    """--limit (mlx_lm.evaluate's spelling) is named --limit back, not --max-examples, a flag the
+    user never typed; the last of two spellings is the one tyro takes and the one named."""
+    typed, _, value = flag.partition("=")
+    assert eval_main(["--model", "nowhere.gguf", "--eval-batches", "3",
+                      *([flag] if value else [flag, "2"])]) == 2
+    assert capsys.readouterr().err == (
+        f"toymlx-eval: error: --eval-batches 3 {typed} 2: expected one of them ({typed} scores "
+        "the first N of the whole split); drop one\n")
+    assert eval_main(["--model", "nowhere.gguf", "--limit", "1", "--max-examples", "0"]) == 2
+    assert capsys.readouterr().err.startswith("toymlx-eval: error: --max-examples: expected")
 
 
 def test_overwrite_without_a_plot_is_one_line(capsys):
@@ -178,19 +192,18 @@ def test_vit_scores_the_first_images_as_a_folder_of_them_alone(tmp_path, capsys)
     whole = _json(capsys, run, "--data.path", folder, "--split", "all", "--json")
     every = _json(capsys, run, "--data.path", folder, "--split", "all", "--json", "--limit",
                   "100")
-    assert every.pop("subset") == "all 9 images (--max-examples 100)"
+    assert every.pop("subset") == "all 9 images (--limit 100)"
     assert {k: v for k, v in every.items() if k not in ("scored", "of")} == whole
     assert eval_main(["--model", str(run), "--data.path", str(folder), "--split", "all",
                       "--limit", "5"]) == 0
     text = capsys.readouterr().out.splitlines()
     assert text[0] == f"accuracy {want['accuracy']:.4f} on 5 images"
-    assert text[-1] == "scored the first 5 of 9 images (--max-examples 5)"
+    assert text[-1] == "scored the first 5 of 9 images (--limit 5)"
     one = tmp_path / "one"  # a set of one image was "all 1 images"
     (one / files[0].parent.name).mkdir(parents=True)
     shutil.copy(files[0], one / files[0].parent.name / files[0].name)
     got = _json(capsys, run, "--data.path", one, "--split", "all", "--json", "--limit", "5")
-    assert (got["subset"], got["scored"], got["of"]) == ("the only image (--max-examples 5)",
-                                                         1, 1)
+    assert (got["subset"], got["scored"], got["of"]) == ("the only image (--limit 5)", 1, 1)
 
 
 def test_a_float_npz_scores_as_its_8_bit_images_do(tmp_path, capsys):
@@ -294,7 +307,7 @@ def test_text_scores_the_first_windows_of_the_split(tiny_gguf, tmp_path, capsys)
         f"the first 3 of {n} windows of 16 tokens (--max-examples 3)", 3, n, 48)
     whole = _json(capsys, tiny_gguf, "--data.path", text, "--seq-len", "16")
     every = _json(capsys, tiny_gguf, "--data.path", text, "--seq-len", "16", "--limit", "999")
-    assert every["subset"] == f"all {n} windows of 16 tokens (--max-examples 999)"
+    assert every["subset"] == f"all {n} windows of 16 tokens (--limit 999)"
     assert every["val_loss"] == whole["val_loss"] and every["tokens_scored"] == 16 * n
 
 
@@ -583,7 +596,7 @@ def test_lora_run_scores_the_first_validation_rows(tiny_gguf, tmp_path, capsys):
         "3 rows made of the first 3 of 8 validation examples (--max-examples 3)", 3, 8)
     whole = _json(capsys, tmp_path / "r")
     every = _json(capsys, tmp_path / "r", "--limit", "50")
-    assert every["subset"] == "8 rows made of all 8 validation examples (--max-examples 50)"
+    assert every["subset"] == "8 rows made of all 8 validation examples (--limit 50)"
     assert every["val_loss"] == whole["val_loss"] and every["rows"] == 8
 
 

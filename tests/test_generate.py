@@ -414,6 +414,26 @@ def test_temp_is_mlx_lm_s_spelling_of_temperature(stories_path, capsys):
     hot = text("--temp", "1.5", "--top-p", "1", "--seed", "3")
     assert hot == text("--temperature", "1.5", "--top-p", "1", "--seed", "3") and hot != greedy
 
+
+def test_llama_cli_s_and_mlx_lm_s_short_flags_are_toymlx_s_options(stories_path, capsys):
+    """-p (mlx_lm.generate's and llama-cli's --prompt), -n (llama-cli's --predict) and -s (its
+    --seed) were refused ("did you mean --prompt?"): they are the same options here, as is -sys
+    (llama-cli's --system-prompt) of --system. -m stays refused: llama-cli's --model,
+    mlx_lm.generate's --max-tokens."""
+    from toymlx_cli.usage import parse_options
+
+    def text(*flags: str) -> str:
+        assert cli.main(["--model", str(stories_path), "--temp", "1.5", "--top-p", "1",
+                         *flags]) == 0
+        return capsys.readouterr().out
+
+    short = text("-p", PROMPT, "-n", "9", "-s", "3")
+    assert short == text("--prompt", PROMPT, "--max-tokens", "9", "--seed", "3")
+    assert short != text("--prompt", PROMPT, "--max-tokens", "9", "--seed", "4")
+    assert short != text("--prompt", PROMPT, "--max-tokens", "10", "--seed", "3")
+    args = parse_options(cli.Args, ["--model", "m", "-sys", "Be brief.", "-p", "Hi"], cli.PROG)
+    assert (args.system, args.prompt) == ("Be brief.", "Hi")
+
 def test_stream_prints_multibyte_characters_whole(monkeypatch):
     from toymlx.data.tokenizer import byte_tokenizer
     from toymlx.generation import generate as gen

@@ -544,6 +544,10 @@ def test_linked_subfolders_are_read_and_a_dangling_link_is_named(tmp_path):
                             "which holds it: a loop, its names read again through it; remove "
                             "the link")
     (root / "cat" / "loop").unlink()
+    # in a hidden folder (never read) a link up is not followed, nor refused
+    (root / "cat" / ".ipynb_checkpoints").mkdir()
+    (root / "cat" / ".ipynb_checkpoints" / "up").symlink_to(root)
+    assert scan_image_folder(root)[0] == files
     # a link up to the folder holding the classes read them all as cat's, without a word
     (root / "frog" / "up").symlink_to("..")
     with pytest.raises(ImageDataError) as e:

@@ -584,6 +584,67 @@ def test_export_cli(tiny_gguf, tmp_path, capsys):
     assert not (tmp_path / "x.gguf").exists()
 
 
+def _dropout_grads(grad_checkpoint: bool, seed: int) -> tuple[float, dict[str, np.ndarray]]:
+    """One step's loss and LoRA gradients of a 2-block Llama with LoRA dropout 0.1 on q, v and
+    down, its random draws from `seed`."""
+    mx.random.seed(0)
+    model = Llama(tiny(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64),
+                  replace(EXACT_OPS, grad_checkpoint=grad_checkpoint))
+    apply_lora(model, "q,v,down", rank=2, dropout=0.1)
+    for m in lora_layers(model).values():  # B at zero would hide the masks from the loss
+        m.lora_b = mx.random.normal(m.lora_b.shape, scale=0.5)
+    model.train()
+    tokens = mx.array(np.random.default_rng(0).integers(0, 256, (2, 17)))
+
+    def loss(m):
+        return nn.losses.cross_entropy(m(tokens[:, :-1]), tokens[:, 1:]).mean()
+
+    mx.random.seed(seed)
+    value, grads = nn.value_and_grad(model, loss)(model)
+    return value.item(), {k: np.array(v) for k, v in tree_flatten(grads)}
+
+
+def test_grad_checkpoint_recomputes_the_dropout_masks_of_the_forward_pass():
+    """--grad-checkpoint with LoRA dropout was refused: a recomputed block drew new masks from
+    MLX's random state, moved on by then (mlx-lm accepts it so: its gradient is not that of
+    the forward it ran). The recomputation now draws from the key the forward's block started
+    from: the loss and every gradient are those without checkpointing, under the same seed."""
+    want_loss, want = _dropout_grads(False, seed=5)
+    got_loss, got = _dropout_grads(True, seed=5)
+    assert got_loss == want_loss and got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    other_loss, other = _dropout_grads(False, seed=6)  # the masks matter: another seed differs
+    assert other_loss != want_loss
+    assert max(np.abs(other[k] - want[k]).max() for k in want) > 1e-3
+
+
+def test_grad_checkpoint_with_lora_dropout_trains_the_same_losses(tiny_gguf, tmp_path, capsys):
+    """A lora run with --lora.dropout 0.1 and --grad-checkpoint (refused before) logs the
+    losses the same run logs without it, step by step, compiled, with gradient accumulation."""
+    from toymlx_cli.train import main as train_main
+
+    from toymlx.bundle.events import read_events
+
+    data = mlx_lm_folder(tmp_path / "data")
+    losses = {}
+    for flag in ("--no-grad-checkpoint", "--grad-checkpoint"):
+        run = tmp_path / "runs" / flag[2:]
+        assert train_main(["--recipe", "lora", "--base", str(tiny_gguf), "--data.path",
+                           str(data), "--lora.dropout", "0.1", "--lora.targets", "q,v,down",
+                           "--steps", "4", "--batch-size", "2", "--grad-accum", "2",
+                           "--lr", "1e-3", "--seq-len", "32", "--eval-every", "2",
+                           "--no-progress", flag, "--runs-root", str(tmp_path / "runs"),
+                           "--run-id", flag[2:]]) == 0
+        events = read_events(run)
+        losses[flag] = ([e["loss"] for e in events if e["kind"] == "step"],
+                        [e["val_loss"] for e in events if e["kind"] == "eval"])
+    capsys.readouterr()
+    (want, want_val), (got, got_val) = losses.values()
+    assert len(want) == 4 and len(want_val) == 2
+    assert got == pytest.approx(want, rel=1e-5) and got_val == pytest.approx(want_val, rel=1e-5)
+
+
 def mlx_lm_folder(path: Path, n_train: int = 12, n_valid: int = 3, n_test: int = 4) -> Path:
     """A data folder in mlx-lm's layout: chat records in train/valid/test.jsonl."""
     path.mkdir(parents=True, exist_ok=True)

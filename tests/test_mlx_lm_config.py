@@ -1865,10 +1865,48 @@ def test_an_mlx_lm_key_toymlx_cannot_honour_is_refused_by_the_sweep_as_by_toymlx
     assert not (tmp_path / "s").exists() and not (tmp_path / "r").exists()
 
 
+def test_a_folder_without_valid_jsonl_trains_on_every_example_as_mlx_lm(tmp_path, base, data,
+                                                                          capsys):
+    """mlx-lm trains on all of train.jsonl where a folder has no valid.jsonl and validates
+    nothing ("Validation set not found or empty"); an mlx-lm file held back its last tenth, as
+    toymlx's own default does. Now the file's meaning: every example trained on, no validation,
+    one line saying so and how to hold back a tenth; --data.val-fraction over the file keeps
+    toymlx's, and toymlx's own options its tenth."""
+    folder = tmp_path / "no_valid"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text((data / "train.jsonl").read_text())
+    path = tmp_path / "lora_config.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(folder), "iters": 2,
+                                    "batch_size": 4, "max_seq_length": 64, "num_layers": 1,
+                                    "steps_per_eval": 1}))
+    note = (f"{folder}: no valid.jsonl: every example of train.jsonl is trained on and none "
+            "validates, as in mlx-lm (its \"Validation set not found or empty\"); "
+            "--data.val-fraction 0.1 holds back its last tenth to validate on")
+    runs = tmp_path / "runs"
+    assert main(["-c", str(path), "--no-progress", "--no-compile", "--runs-root", str(runs),
+                 "--run-id", "all"]) == 0
+    out, err = capsys.readouterr()
+    assert f"toymlx-train: {note}" in err.splitlines()
+    assert "no valid.jsonl: the last" not in err
+    rows = {tuple(line.split()[:2]): line.split()[2:] for line in out.splitlines()}
+    assert rows[("(none)", "--data.val-fraction")] == ["0.0", "mlx-lm's,", "fixed"]
+    saved = json.loads((runs / "all" / "config.json").read_text())["config"]
+    assert saved["data"]["val_fraction"] == 0.0
+    events = read_events(runs / "all")
+    assert not [e for e in events if e["kind"] == "eval"]
+    start = next(e for e in events if e["kind"] == "run_start")["config"]
+    assert (start["train_rows"], start["val_rows"]) == (12, 0)  # one example a row, all 12
+    assert main(["-c", str(path), "--data.val-fraction", "0.1", "--no-progress",
+                 "--no-compile", "--runs-root", str(runs), "--run-id", "tenth"]) == 0
+    err = capsys.readouterr().err
+    assert note not in err and f"{folder}: no valid.jsonl: the last 1 of train.jsonl's 12" in err
+    assert [e["step"] for e in read_events(runs / "tenth") if e["kind"] == "eval"] == [0, 1, 2]
+
+
 def test_a_sweep_says_once_what_each_run_says_of_a_folder_without_valid_jsonl(
         tmp_path, base, data, capsys):
-    """Each run validated on train.jsonl's last tenth, not trained on, where mlx-lm trains on
-    all of it: said in the runs' logs alone, the sweep silent."""
+    """Each run trains on all of train.jsonl and validates nothing, as mlx-lm (it validated on
+    train.jsonl's last tenth, not trained on): said once by the sweep and in each run's log."""
     from toymlx_cli.sweep import main as sweep_main
 
     folder = tmp_path / "no_valid"
@@ -1881,15 +1919,15 @@ def test_a_sweep_says_once_what_each_run_says_of_a_folder_without_valid_jsonl(
     root = tmp_path / "s"
     assert sweep_main(["-c", str(path), "--grid", "lr=1e-4,3e-4", "--runs-root", str(root),
                        "--sweep-id", "nv", "--no-progress", "--no-report"]) == 0
-    note = (f"{folder}: no valid.jsonl: the last 1 of train.jsonl's 12 examples validates and "
-            "is not trained on (--data.val-fraction 0.1; mlx-lm trains on all 12 and validates "
-            "nothing, as --data.val-fraction 0 does)")
+    note = (f"{folder}: no valid.jsonl: every example of train.jsonl is trained on and none "
+            "validates, as in mlx-lm (its \"Validation set not found or empty\"); "
+            "--data.val-fraction 0.1 holds back its last tenth to validate on")
     err = capsys.readouterr().err.splitlines()
     assert err.count(f"toymlx-sweep: {note}") == 1
     assert err.index(f"toymlx-sweep: {note}") < next(
         i for i, line in enumerate(err) if line.startswith(f"sweep {root / 'nv'}: "))
     for run in ("lr=0.0001", "lr=0.0003"):  # the runs' own words
-        assert f"toymlx: {note}" in (root / "nv" / "logs" / f"{run}.log").read_text()
+        assert f"toymlx-train: {note}" in (root / "nv" / "logs" / f"{run}.log").read_text()
 
 
 def test_a_sweep_refuses_an_unreadable_example_before_any_run(tmp_path, base, data, capsys):

@@ -30,7 +30,6 @@ from toymlx.bundle.events import read_events
 from toymlx.gguf.llama import load_llama
 from toymlx.gguf.reader import GGUFFile
 from toymlx.gguf.writer import encode_tensor
-from toymlx.models.layers import check_checkpointable
 from toymlx.models.llama import Llama, attention_values, tiny
 from toymlx.models.lora import apply_lora
 from toymlx.models.losses import classify_loss, lm_loss
@@ -471,14 +470,3 @@ def test_a_block_keeps_q_k_v_not_attentions_probabilities(monkeypatch):
     kept = _kept_values_per_token_and_block(args)
     print(f"values a token and block: {kept:.0f} kept, {recomputed:.0f} recomputed")
     assert kept - recomputed >= 320, (kept, recomputed)
-
-
-def test_grad_checkpoint_refuses_dropout():
-    from toymlx.models.lora import apply_lora
-
-    model = Llama(tiny(d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64),
-                  Ops(grad_checkpoint=True))
-    check_checkpointable(model)
-    apply_lora(model, "q", rank=2, dropout=0.1)
-    with pytest.raises(ValueError, match=r"--grad-checkpoint: .*dropout 0.1 at layers.0"):
-        check_checkpointable(model)

@@ -467,6 +467,26 @@ def test_a_link_back_up_in_a_folder_of_text_files_is_refused_by_name(tmp_path):
         "it; remove the link")
 
 
+def test_a_loop_inside_a_hidden_folder_is_not_followed(tmp_path):
+    """`.git/up -> ..` (a link in a folder toymlx never reads) refused the whole data folder
+    as a loop; hidden folders are no longer entered, so the folder is read and fingerprinted as
+    without it. A loop outside a hidden folder is still refused."""
+    from toymlx.bundle.inputs import fingerprint
+    from toymlx.data.chat import TEXT_SUFFIXES, text_folder_files
+
+    folder, _ = _book(tmp_path)
+    want = text_folder_files(folder)
+    rec = fingerprint(folder, only=TEXT_SUFFIXES, each=True)
+    (folder / ".git").mkdir()
+    (folder / ".git" / "up").symlink_to("..")
+    (folder / "part 2" / ".cache").symlink_to(folder)
+    assert text_folder_files(folder) == want
+    assert fingerprint(folder, only=TEXT_SUFFIXES, each=True) == rec
+    (folder / "part 2" / "up").symlink_to("..")
+    with pytest.raises(DataError, match="found a link back up to"):
+        text_folder_files(folder)
+
+
 def test_a_folder_of_text_files_names_the_files_it_does_not_read(tmp_path):
     """A folder's cover.png, script.py and README (no suffix) were left out without a word, so
     notes kept as .org files trained on nothing of theirs; one line names them, counted by

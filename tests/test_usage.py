@@ -469,14 +469,18 @@ def test_a_peer_flag_another_recipe_takes_is_not_matched_by_spelling(capsys, tmp
       "unknown one; did you mean --temperature?")),
     ("generate", ["--model", "m", "--temp", "x"],  # mlx-lm's spelling, an alias: named as typed
      "toymlx-generate: error: --temp: expected a number, got 'x'"),
-    # llama.cpp's short flags: named with toymlx's, not "--model ... is required"
-    # (-m is mlx_lm.generate's --max-tokens: both named, neither taken)
+    # llama.cpp's short flags: -p, -n taken; -m named with toymlx's, not "--model ... is
+    # required" (-m is mlx_lm.generate's --max-tokens: both named, neither taken)
     ("generate", ["-m", "m.gguf", "-p", "hi", "-n", "3"],
      ("toymlx-generate: error: -m: expected an option of toymlx-generate, got an unknown one; "
-      "llama.cpp's -m is --model here, mlx_lm.generate's -m is --max-tokens; -p: expected an "
-      "option of toymlx-generate, got an unknown one; "
-      "did you mean --prompt?; -n: expected an option of toymlx-generate, got an unknown one; "
-      "did you mean --max-tokens?")),
+      "llama.cpp's -m is --model here, mlx_lm.generate's -m is --max-tokens")),
+    ("generate", ["--model", "m", "-n", "x"],  # an alias: named as typed
+     "toymlx-generate: error: -n: expected an integer, got 'x'"),
+    # llama-cli's -sp and -ngl are not -s p and -n gl (argparse runs one-letter flags together)
+    ("generate", ["--model", "m", "-sp", "-ngl", "99"],
+     ("toymlx-generate: error: -sp: expected an option of toymlx-generate, got an unknown one; "
+      "-ngl: expected an option of toymlx-generate, got an unknown one; llama.cpp's -ngl is "
+      "--device gpu here (the whole model on MLX's GPU; --device cpu: none of it)")),
     ("generate", ["--model", "m.gguf", "-m", "100"],
      ("toymlx-generate: error: -m: expected an option of toymlx-generate, got an unknown one; "
       "llama.cpp's -m is --model here, mlx_lm.generate's -m is --max-tokens")),
@@ -487,14 +491,13 @@ def test_a_peer_flag_another_recipe_takes_is_not_matched_by_spelling(capsys, tmp
      ("toymlx-generate: error: --n-predict: expected an option of toymlx-generate, got an "
       "unknown one; did you mean --max-tokens?")),
     # llama.cpp's flags for an adapter, the GPU, a conversation, the context: toymlx's named
+    # (-sys is taken: --system)
     ("generate", ["--model", "b.gguf", "--lora", "a.gguf", "-ngl", "99", "-cnv", "-sys", "hi"],
      ("toymlx-generate: error: --lora: expected an option of toymlx-generate, got an unknown "
       "one; llama.cpp's --lora FILE is --adapter FILE here (or the run's folder); -ngl: "
       "expected an option of toymlx-generate, got an unknown one; llama.cpp's -ngl is --device "
       "gpu here (the whole model on MLX's GPU; --device cpu: none of it); -cnv: expected an "
-      "option of toymlx-generate, got an unknown one; llama.cpp's -cnv is --chat here; -sys: "
-      "expected an option of toymlx-generate, got an unknown one; llama.cpp's -sys is --system "
-      "here")),
+      "option of toymlx-generate, got an unknown one; llama.cpp's -cnv is --chat here")),
     ("generate", ["--model", "m", "--ctx-size", "512", "-f", "p.txt"],
      ("toymlx-generate: error: --ctx-size: expected an option of toymlx-generate, got an "
       "unknown one; llama.cpp's --ctx-size has no counterpart here: the model's own context is "

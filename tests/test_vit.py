@@ -153,3 +153,30 @@ def test_gelu_choices_differ_slightly():
         other.update(model.parameters())
         diff = np.abs(np.array(other(x)) - exact).max()
         assert 0 < diff < 0.05, (name, diff)
+
+
+def test_grad_checkpoint_recomputes_the_stochastic_depth_of_the_forward_pass():
+    """--grad-checkpoint with --model.drop-path was refused (a recomputed block drew new
+    masks); the recomputation draws what the forward drew: the gradients without it."""
+    from dataclasses import replace
+
+    from mlx import nn
+
+    from toymlx.models.ops import EXACT
+
+    x = mx.array(np.random.default_rng(0).standard_normal((8, 8, 8, 1)), mx.float32)
+    y = mx.array(np.arange(8) % 10)
+
+    def grads(checkpoint: bool, seed: int) -> dict[str, np.ndarray]:
+        mx.random.seed(0)
+        model = ViT(vit_tiny_8(d_model=32, n_layers=3, n_heads=2, ffn_dim=64, drop_path=0.5),
+                    replace(EXACT, grad_checkpoint=checkpoint))
+        model.train()
+        mx.random.seed(seed)
+        _, g = nn.value_and_grad(model, lambda m: nn.losses.cross_entropy(m(x), y).mean())(model)
+        return {k: np.array(v) for k, v in tree_flatten(g)}
+
+    want, got, other = grads(False, 5), grads(True, 5), grads(False, 6)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    assert max(np.abs(other[k] - want[k]).max() for k in want) > 1e-4

@@ -173,7 +173,8 @@ def test_test_path_scored_at_the_end_as_eval_and_the_classifier_score_it(tmp_pat
                  "every eval already)")),
             (["--data.test-path", str(folder / "cat")], ("--data.test-path: expected images "
              f"apart from --data.path (a test set is never trained or validated on), found "
-             f"{folder / 'cat'}, which overlaps {folder}"))):
+             f"{folder / 'cat'}, which overlaps {folder} (both read "
+             f"{min((folder / 'cat').iterdir())})"))):
         assert train_main(["--recipe", "vit-tiny", *TINY, "--data.path", str(folder), "--test",
                            "--runs-root", str(tmp_path / "runs"), "--run-id", "no", *extra]) == 2
         assert error_line(capsys) == f"toymlx-train: error: {want}"
@@ -201,7 +202,8 @@ def test_a_val_path_overlapping_the_training_images_is_refused_for_a_new_run(tmp
                            "--run-id", "r"]) == 2
         assert error_line(capsys) == (
             "toymlx-train: error: --data.val-path: expected images apart from --data.path (a "
-            f"validation set is never trained on), found {val}, which overlaps {over}")
+            f"validation set is never trained on), found {val}, which overlaps {over} (both "
+            f"read {min((val / 'bird' if (val / 'bird').is_dir() else val).iterdir())})")
     assert not (tmp_path / "runs").exists()
     saved = Config(data=ImageData(path=str(root), val_path=str(root)))
     check_config(get_recipe("vit-tiny"), saved)  # a saved run's: taken
@@ -209,6 +211,46 @@ def test_a_val_path_overlapping_the_training_images_is_refused_for_a_new_run(tmp
         check_config(get_recipe("vit-tiny"), saved, new_run=True)
     # timm's val/ named again, apart from train/: trained
     _train(tmp_path, "ok", timm, "--data.val-path", str(timm / "val"), "--steps", "1")
+
+
+def test_a_held_out_folder_linking_to_training_images_is_refused(tmp_path, capsys):
+    """A --data.val-path (or --data.test-path) folder outside --data.path whose files are links
+    (or hard links) to training images scored images trained on as held out: the overlap check
+    compared folders, one inside the other. It now compares the files each side reads, and the
+    line names both."""
+    from toymlx.recipes import get_recipe
+    from toymlx.recipes.vit_tiny import Config, ImageData
+    from toymlx.training.task import check_config
+
+    root = make_image_folder(tmp_path / "d", per_class=3)
+    held = make_image_folder(tmp_path / "held", per_class=2, seed=3)
+    other = make_image_folder(tmp_path / "other", per_class=2, seed=4)
+    trained = min((root / "frog").iterdir())
+    recipe = get_recipe("vit-tiny")
+    check_config(recipe, Config(data=ImageData(path=str(root), val_path=str(held))), new_run=True)
+    for make in (Path.symlink_to, Path.hardlink_to):
+        (held / "frog" / "zz.png").unlink(missing_ok=True)
+        make(held / "frog" / "zz.png", trained)
+        with pytest.raises(ValueError) as e:
+            check_config(recipe, Config(data=ImageData(path=str(root), val_path=str(held))),
+                         new_run=True)
+        assert str(e.value) == (
+            "--data.val-path: expected images apart from --data.path (a validation set is never "
+            f"trained on), found {held}, which overlaps {root} ({held / 'frog' / 'zz.png'} and "
+            f"{trained} are one file)")
+        with pytest.raises(ValueError) as e:
+            check_config(recipe, Config(data=ImageData(path=str(root), val_path=str(other),
+                                                       test_path=str(held))), new_run=True)
+        assert str(e.value).startswith(
+            "--data.test-path: expected images apart from --data.path (a test set is never "
+            f"trained or validated on), found {held}, which overlaps {root} (")
+    # a linked class folder: the same
+    (held / "frog" / "zz.png").unlink()
+    shutil.rmtree(held / "cat")
+    (held / "cat").symlink_to(root / "cat")
+    with pytest.raises(ValueError, match=r"which overlaps .* are one file\)$"):
+        check_config(recipe, Config(data=ImageData(path=str(root), val_path=str(held))),
+                     new_run=True)
 
 
 def test_held_out_files_inside_the_training_folder_but_not_trained_on_are_taken(tmp_path):
@@ -251,7 +293,8 @@ def test_held_out_files_inside_the_training_folder_but_not_trained_on_are_taken(
                          new_run=True)
         assert str(e.value) == (
             "--data.test-path: expected images apart from --data.path (a test set is never "
-            f"trained or validated on), found {trained}, which overlaps {folder}")
+            f"trained or validated on), found {trained}, which overlaps {folder} (both read "
+            f"{trained})")
 
 
 def test_a_folder_of_images_without_class_folders_says_so(tmp_path, capsys):

@@ -150,9 +150,11 @@ def hidden_below(name: Path, folder: str | os.PathLike) -> bool:
 def names_below(folder: str | os.PathLike) -> Iterator[Path]:
     """Every name below `folder` that is not a folder (files, links to nothing, FIFOs: the
     caller decides), through linked subfolders as torchvision's ImageFolder walks them, each
-    real folder once; hidden names are kept. Every data folder (an ImageFolder's classes, a
-    folder of text files) is read with it and fingerprinted with it, so a linked class folder
-    is both trained on and part of what a resume checks. ValueError naming a linked subfolder
+    real folder once; hidden files are kept (`hidden_below` is the caller's), hidden folders not
+    entered: no data folder reads what they hold, and a link in one (`.git/x -> ..`) refused the
+    whole folder. Every data folder (an ImageFolder's classes, a folder of text files) is read
+    with it and fingerprinted with it, so a linked class folder is both trained on and part of
+    what a resume checks. ValueError naming a linked subfolder
     back up the tree, to a folder holding the link (`cat/up -> ..`, `notes/sub/up -> ..`): one
     that holds `folder` read the folders beside it (an ImageFolder's class took the other
     classes' images), one within it was skipped; both without a word, and by two rules."""
@@ -164,6 +166,7 @@ def names_below(folder: str | os.PathLike) -> Iterator[Path]:
             dirs[:] = []
             continue
         seen.add(real)
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # before their links are followed
         for link in (os.path.join(top, d) for d in dirs if os.path.islink(os.path.join(top, d))):
             target = os.path.realpath(link)
             if real == target or real.startswith(target.rstrip(os.sep) + os.sep):

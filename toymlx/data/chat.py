@@ -1761,10 +1761,12 @@ class SplitExamples:
         given, else the last `val_fraction` of the training file."""
         files = data_files(path)
         if val_path is None and files.valid is not None and files.valid.stat().st_size == 0:
+            then = (f"the last --data.val-fraction {val_fraction} of {files.train.name} then "
+                    "validates; mlx-lm would train without validation" if val_fraction > 0 else
+                    f"every example of {files.train.name} then trains and none validates, as "
+                    "mlx-lm trains with an empty one")
             raise DataError(f"{files.valid}: empty file; expected one example a line {SHAPES}, "
-                            f"or no {files.valid.name} (the last --data.val-fraction "
-                            f"{val_fraction} of {files.train.name} then validates; mlx-lm would "
-                            f"train without validation)")
+                            f"or no {files.valid.name} ({then})")
         val_path = val_path if val_path is not None else files.valid
         examples = load_examples(files.train, keys)
         note = None

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 from mlx import nn
 
-from toymlx.models.ops import EXACT, Ops
+from toymlx.models.ops import EXACT, Ops, next_key
 
 
 class Linear(nn.Linear):
@@ -260,23 +260,20 @@ class DropPath(nn.Module):
     def __call__(self, y: mx.array) -> mx.array:
         if not (self.training and self.p > 0):
             return y
-        keep = mx.random.bernoulli(1.0 - self.p, (y.shape[0],) + (1,) * (y.ndim - 1))
-        return y * keep.astype(y.dtype) / (1.0 - self.p)  # (B, 1, ..., 1) per example
+        keep = mx.random.bernoulli(1.0 - self.p, (y.shape[0],) + (1,) * (y.ndim - 1),
+                                   key=next_key())  # (B, 1, ..., 1) per example
+        return y * keep.astype(y.dtype) / (1.0 - self.p)
 
 
-def check_checkpointable(model: nn.Module) -> None:
-    """ValueError when `--grad-checkpoint` would give wrong gradients: a recomputed block draws
-    new random masks (MLX's random state moves on), so dropout and stochastic depth must be off."""
-    for path, m in model.named_modules():
-        if isinstance(m, nn.Dropout) and getattr(m, "_p_1", 1.0) < 1.0:
-            what = f"dropout {1.0 - m._p_1:g}"
-        elif isinstance(m, DropPath) and m.p > 0:
-            what = f"stochastic depth {m.p:g}"
-        else:
-            continue
-        raise ValueError(f"--grad-checkpoint: expected no dropout or stochastic depth in the "
-                         f"model (a recomputed block draws new random masks), found {what} at "
-                         f"{path or 'the model'}; set it to 0 or drop --grad-checkpoint")
+class Dropout(nn.Dropout):
+    """`nn.Dropout` drawing its mask with `next_key`: the same mask again where a checkpointed
+    block is recomputed (`Ops.block`)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self._p_1 == 1 or not self.training:
+            return x
+        mask = mx.random.bernoulli(self._p_1, x.shape, key=next_key())
+        return (mask * x) * (1 / self._p_1)
 
 
 def submodule(model: nn.Module, path: str) -> nn.Module:

@@ -19,7 +19,14 @@ from collections.abc import Callable, Mapping, Sequence
 import mlx.core as mx
 from mlx import nn
 
-from toymlx.models.layers import BlockLinear, Linear, dense_weight, replace_submodule, submodule
+from toymlx.models.layers import (
+    BlockLinear,
+    Dropout,
+    Linear,
+    dense_weight,
+    replace_submodule,
+    submodule,
+)
 from toymlx.models.llama import Llama, LlamaArgs
 from toymlx.models.moe import BlockExperts, ExpertLinear, expert_product
 from toymlx.models.ops import EXACT
@@ -103,7 +110,7 @@ class LoRALinear(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"--lora.dropout: expected in [0, 1), found {dropout}")
         self.linear = linear
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.rank, self.alpha = int(rank), float(alpha)
         self.scale = self.scale_of(self.rank, self.alpha)
         a_shape, b_shape = self.pair_shapes()

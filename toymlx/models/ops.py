@@ -26,9 +26,10 @@ Mixed precision (`dtype` other than float32), as PyTorch's autocast and mlx-lm d
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
@@ -324,7 +325,8 @@ class Ops:
 
     def block(self, layer: nn.Module, *args: Any) -> mx.array:
         """layer(*args), or with grad_checkpoint the same, its activations recomputed in the
-        backward pass instead of kept."""
+        backward pass instead of kept, with the same random masks (dropout, stochastic depth)
+        as the forward pass drew (`_checkpointed`): the gradient is the one without it."""
         if not self.grad_checkpoint:
             return layer(*args)
         return _checkpointed(layer)(layer.trainable_parameters(), *args)
@@ -538,13 +540,69 @@ def recompute_in_backward(fn: Callable[..., mx.array], params: dict, *arrays: mx
     return f(params, *arrays)
 
 
+class Draws:
+    """A stream of keys for the random draws of a block (`drawing_from`): `state` split as MLX
+    splits its own random state, one split a draw; `count` draws taken."""
+
+    def __init__(self, key: mx.array):
+        self.state, self.count = key, 0
+
+    def next(self) -> mx.array:
+        """The next draw's key, as MLX's `KeySequence.next` gives it: split the state in two,
+        keep the first half as the state, draw with the second."""
+        self.state, key = mx.random.split(self.state)
+        self.count += 1
+        return key
+
+
+_DRAWS: list[Draws] = []
+"""The streams open (`drawing_from`), innermost last."""
+
+
+@contextlib.contextmanager
+def drawing_from(key: mx.array) -> Iterator[Draws]:
+    """Within it, `next_key` gives keys split from `key` (a copy of MLX's random state): a
+    block's draws made again from the same key are the same masks."""
+    _DRAWS.append(Draws(key))
+    try:
+        yield _DRAWS[-1]
+    finally:
+        _DRAWS.pop()
+
+
+def next_key() -> mx.array | None:
+    """The key for a random draw of dropout or stochastic depth: the next of `drawing_from`'s
+    stream within one; None outside (MLX's own random state)."""
+    return _DRAWS[-1].next() if _DRAWS else None
+
+
 def _checkpointed(layer: nn.Module) -> Callable:
     """`mx.checkpoint` of a module's call, with its trainable parameters as explicit inputs so
-    their gradients flow through the recomputation."""
-    def call(params: dict, *args: Any) -> mx.array:
+    their gradients flow through the recomputation. The block's random draws (dropout,
+    stochastic depth) take their keys from the key MLX's random state holds when it is called,
+    read outside and passed in (`drawing_from`), split as MLX splits its state: the forward pass
+    draws what it would draw without checkpointing, and the recomputation in the backward pass
+    draws the same masks again. (mlx-lm's recomputed blocks draw from MLX's state, moved on by
+    then: new masks, and a gradient that is not that of the forward it ran.) After the forward
+    the state is moved on past the block's draws, as they would have moved it."""
+    drawn: list[int] = []
+
+    def call(params: dict, key: mx.array, *args: Any) -> mx.array:
         layer.update(params)
-        return layer(*args)
-    return mx.checkpoint(call)
+        with drawing_from(mx.stop_gradient(key)) as draws:  # no gradient through a key
+            out = layer(*args)
+        drawn[:] = [draws.count]
+        return out
+
+    checkpointed = mx.checkpoint(call)
+
+    def run(params: dict, *args: Any) -> mx.array:
+        out = checkpointed(params, mx.random.state[0], *args)
+        for _ in range(drawn[0]):  # each draw of MLX's own moves its state on by one split
+            mx.random.uniform(shape=(1,))
+        return out
+
+    return run
 
 
 def training_ops(on_gpu: bool, dtype: str = "auto", kernels: str = "auto",

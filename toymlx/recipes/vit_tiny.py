@@ -260,18 +260,22 @@ def _trained(d: ImageData) -> str | None:
 
 def _apart(which: str, held: str, flag: str, other: str | None, never: str) -> None:
     """ValueError where the held-out set `held` (--data.val-path, --data.test-path) and `other`
-    (--data.path: the files its training images come from; --data.val-path: all it reads),
-    one in or holding the other, share a file: its score would be of images trained on (an
-    MNIST folder's own t10k file is not: the folder trains on its train-* files alone)."""
+    (--data.path: the files its training images come from; --data.val-path: all it reads)
+    share a file, one folder in or holding the other or a link (or a hard link) in one to the
+    other's file: its score would be of images trained on (an MNIST folder's own t10k file is
+    not: the folder trains on its train-* files alone). The line names both files."""
     if other is None:
         return
-    inside, outside = Path(held).resolve(), Path(other).resolve()
-    if not (inside.is_relative_to(outside) or outside.is_relative_to(inside)):
-        return
-    read = {f.resolve() for f in source_files(other, trained=flag == "--data.path")}
-    if any(f.resolve() in read for f in source_files(held)):
-        raise ValueError(f"{which}: expected images apart from {flag} ({never}), found {held}, "
-                         f"which overlaps {other}")
+    read = {}
+    for f in source_files(other, trained=flag == "--data.path"):
+        st = f.stat()
+        read.setdefault((st.st_dev, st.st_ino), f)
+    for f in source_files(held):
+        st = f.stat()
+        if (twin := read.get((st.st_dev, st.st_ino))) is not None:
+            how = f"both read {f}" if f == twin else f"{f} and {twin} are one file"
+            raise ValueError(f"{which}: expected images apart from {flag} ({never}), found "
+                             f"{held}, which overlaps {other} ({how})")
 
 
 def auto_patch(side: int) -> int:

@@ -36,7 +36,6 @@ from toymlx.bundle.options import RunError, default_run_id, flag_name, option
 from toymlx.bundle.outputs import check_output
 from toymlx.bundle.reporters import NOTHING_TRAINED, offline_wandb, online_wandb
 from toymlx.bundle.resume import Resume
-from toymlx.models.layers import check_checkpointable
 from toymlx.models.ops import Ops, training_ops
 from toymlx.runner.bundle import Bundle
 from toymlx.runner.launch import launched_as_rank
@@ -374,11 +373,8 @@ def missing_folders(path: Path) -> list[Path]:
 
 
 def _build(module: ModuleType, cfg: TrainConfig, ops: Ops) -> Task:
-    """The recipe's task, checked: activation checkpointing applies to its model, and a batch
-    fits in its training set."""
+    """The recipe's task, checked: a batch fits in its training set."""
     task = module.build(cfg, ops)
-    if ops.grad_checkpoint:
-        check_checkpointable(task.model)
     check_batch_fits(cfg.batch_size, task.config_info)
     return task
 
