@@ -752,10 +752,11 @@ def mlx_lm_parsed(cfg: Any, in_file: dict[str, Any], source: str, argv: list[str
 
 
 def mlx_lm_no_validation(cfg: Any) -> list[str]:
-    """The line for a data folder without valid.jsonl run from an mlx-lm file: every example of
-    its training file is trained on and none validates, as mlx-lm does it (`MLX_LM_FIXED`'s
-    --data.val-fraction 0, where toymlx's own default holds back a tenth)."""
-    from toymlx.data.chat import data_files
+    """The line for a data folder without valid.jsonl, or with one without examples, run from
+    an mlx-lm file: every example of its training file is trained on and none validates, as
+    mlx-lm does it (`MLX_LM_FIXED`'s --data.val-fraction 0, where toymlx's own default holds
+    back a tenth, and refuses an empty valid.jsonl)."""
+    from toymlx.data.chat import blank_file, data_files
 
     path = cfg.data.path
     if cfg.data.val_fraction != 0 or not path or not Path(path).is_dir():
@@ -764,11 +765,15 @@ def mlx_lm_no_validation(cfg: Any) -> list[str]:
         files = data_files(path)
     except ValueError:  # left to the reader, which names it
         return []
-    if files.valid is not None:
+    if files.valid is None:
+        return [(f"{path}: no valid.jsonl: every example of {files.train.name} is trained on and "
+                 "none validates, as in mlx-lm (its \"Validation set not found or empty\"); "
+                 "--data.val-fraction 0.1 holds back its last tenth to validate on")]
+    if not blank_file(files.valid):
         return []
-    return [(f"{path}: no valid.jsonl: every example of {files.train.name} is trained on and "
-             "none validates, as in mlx-lm (its \"Validation set not found or empty\"); "
-             "--data.val-fraction 0.1 holds back its last tenth to validate on")]
+    return [(f"{files.valid}: no examples: every example of {files.train.name} is trained on "
+             "and none validates, as in mlx-lm (its \"Validation set not found or empty\"); "
+             "write examples into it to validate on them")]
 
 
 def mlx_lm_held_out_rows(cfg: Any, source: str, test_batches: Any = 500) -> list[str]:

@@ -1060,11 +1060,26 @@ def test_an_empty_valid_jsonl_is_one_line(tmp_path):
         '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}, or no '
         "valid.jsonl (the last --data.val-fraction 0.1 of train.jsonl then validates; mlx-lm "
         "would train without validation)")
-    with pytest.raises(DataError) as e:  # an mlx-lm config's (--data.val-fraction 0)
-        SplitExamples.of(folder, 0.0)
-    assert str(e.value).endswith(
-        "or no valid.jsonl (every example of train.jsonl then trains and none validates, as "
-        "mlx-lm trains with an empty one)")
+    write(folder, "valid.jsonl", "\n \n\n")  # blank lines alone: the same words
+    with pytest.raises(DataError) as blank:
+        SplitExamples.of(folder)
+    assert str(blank.value) == str(e.value)
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "\ufeff \n\t\n"])
+def test_an_empty_valid_jsonl_under_val_fraction_0_is_no_valid_jsonl(tmp_path, text):
+    """Under --data.val-fraction 0 (an mlx-lm config's) a valid.jsonl without examples (no byte,
+    blank lines) was refused; mlx-lm trains on every example and validates none, as
+    --data.val-fraction 0 does without valid.jsonl: the same split, source and no note."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write(folder, "train.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in "abc"))
+    alone = SplitExamples.of(folder, 0.0)
+    write(folder, "valid.jsonl", text)
+    ex = SplitExamples.of(folder, 0.0)
+    assert ex == alone
+    assert ([e.text for e in ex.train], ex.val, ex.note) == (["a", "b", "c"], [], None)
+    assert ex.source == DataSource(str(folder / "train.jsonl"))
 
 
 @pytest.mark.parametrize("pack", [True, False])

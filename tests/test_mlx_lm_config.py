@@ -1903,6 +1903,31 @@ def test_a_folder_without_valid_jsonl_trains_on_every_example_as_mlx_lm(tmp_path
     assert [e["step"] for e in read_events(runs / "tenth") if e["kind"] == "eval"] == [0, 1, 2]
 
 
+def test_an_empty_valid_jsonl_trains_on_every_example_as_mlx_lm(tmp_path, base, data, capsys):
+    """mlx-lm trains with a valid.jsonl without examples as without one ("Validation set not
+    found or empty"); an mlx-lm file on it was refused ("empty file"). Now it trains on every
+    example and validates none, one line saying so; a resume reads the same split."""
+    folder = tmp_path / "empty_valid"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text((data / "train.jsonl").read_text())
+    (folder / "valid.jsonl").write_text("\n\n")
+    path = tmp_path / "lora_config.yaml"
+    run = tmp_path / "runs" / "r"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(folder), "iters": 2,
+                                    "batch_size": 4, "max_seq_length": 64, "num_layers": 1,
+                                    "save_every": 1, "adapter_path": str(run)}))
+    assert main(["-c", str(path), "--no-progress", "--no-compile", "--stop-at", "1"]) == 0
+    err = capsys.readouterr().err
+    assert (f"toymlx-train: {folder / 'valid.jsonl'}: no examples: every example of train.jsonl "
+            "is trained on and none validates, as in mlx-lm (its \"Validation set not found or "
+            "empty\"); write examples into it to validate on them") in err.splitlines()
+    start = next(e for e in read_events(run) if e["kind"] == "run_start")["config"]
+    assert (start["train_rows"], start["val_rows"]) == (12, 0)
+    assert main(["--resume", str(run), "--no-progress", "--no-compile"]) == 0
+    assert [e["step"] for e in read_events(run) if e["kind"] == "step"] == [1, 2]
+    assert not [e for e in read_events(run) if e["kind"] == "eval"]
+
+
 def test_a_sweep_says_once_what_each_run_says_of_a_folder_without_valid_jsonl(
         tmp_path, base, data, capsys):
     """Each run trains on all of train.jsonl and validates nothing, as mlx-lm (it validated on

@@ -420,6 +420,19 @@ def check_not_empty(path: Path) -> None:
     raise DataError(f"{path}: empty file; expected {what}")
 
 
+def blank_file(path: Path) -> bool:
+    """Whether the file `path` holds no example: no byte, or whitespace alone (blank lines, a
+    UTF-8 BOM first), read a block at a time up to its first other byte; False where it cannot
+    be read (its reader, `load_examples`, names why)."""
+    try:
+        with open(path, "rb") as f:
+            first = f.read(2**16).removeprefix(b"\xef\xbb\xbf")
+            return not any(block.strip() for block in itertools.chain(
+                (first,), iter(lambda: f.read(2**16), b"")))
+    except OSError:
+        return False
+
+
 def load_examples(path: str | Path, keys: Mapping[str, str] | None = None) -> list[Example]:
     """Read a `.jsonl`/`.json` example file, a `.csv`/`.tsv` table (`_table_examples`) or a
     plain-text file (documents at blank lines); `keys`: `row_keys`' renames. A JSONL, table or plain-text file is read a
@@ -1758,16 +1771,20 @@ class SplitExamples:
            ) -> SplitExamples:
         """`path`'s examples (a file, or an mlx-lm data folder: `data_files`), each record read
         through `keys` (`row_keys`'); validation is `val_path` or the folder's valid.jsonl if
-        given, else the last `val_fraction` of the training file."""
+        given, else the last `val_fraction` of the training file. A folder's valid.jsonl without
+        examples (`blank_file`) is refused, but taken as none under `val_fraction` 0: every
+        example trains and none validates either way (mlx-lm's meaning of an empty one)."""
         files = data_files(path)
-        if val_path is None and files.valid is not None and files.valid.stat().st_size == 0:
-            then = (f"the last --data.val-fraction {val_fraction} of {files.train.name} then "
-                    "validates; mlx-lm would train without validation" if val_fraction > 0 else
-                    f"every example of {files.train.name} then trains and none validates, as "
-                    "mlx-lm trains with an empty one")
-            raise DataError(f"{files.valid}: empty file; expected one example a line {SHAPES}, "
-                            f"or no {files.valid.name} ({then})")
-        val_path = val_path if val_path is not None else files.valid
+        valid = files.valid
+        if val_path is None and valid is not None and blank_file(valid):
+            if val_fraction > 0:  # no valid.jsonl or the split of toymlx's default: a guess
+                raise DataError(f"{valid}: empty file; expected one example a line {SHAPES}, "
+                                f"or no {valid.name} (the last --data.val-fraction "
+                                f"{val_fraction} of {files.train.name} then validates; mlx-lm "
+                                "would train without validation)")
+            valid = None  # as no valid.jsonl, which --data.val-fraction 0 (an mlx-lm config's)
+            # trains on every example without: what mlx-lm does with an empty one
+        val_path = val_path if val_path is not None else valid
         examples = load_examples(files.train, keys)
         note = None
         if val_path is not None:
