@@ -255,7 +255,13 @@ def run_command(prog: str, args_type: type, run: Callable[[Any], int],
 def _run_command(prog: str, args_type: type, run: Callable[[Any], int],
                  argv: list[str] | None, errors: tuple[type[Exception], ...],
                  outputs: tuple[str, ...]) -> int:
-    from toymlx_cli.config_file import CONFIG_HELP, file_defaults, split_config
+    from toymlx_cli.config_file import (
+        CONFIG_HELP,
+        file_defaults,
+        file_key_error,
+        given_file_keys,
+        split_config,
+    )
     from toymlx_cli.usage import parse_options  # here: --version answers without tyro
 
     from toymlx.backend.device import restart_with_huge_pages, setup_process
@@ -266,10 +272,18 @@ def _run_command(prog: str, args_type: type, run: Callable[[Any], int],
     if "--version" in argv:
         print_version()
         return 0
+    keys: dict[str, str] = {}
+    config = None
+
+    def named(e: Exception) -> str:  # a -c file's value refused by a later check: its key
+        return file_key_error(str(e), keys, config) if config else str(e)
+
     try:
         setup_process()
         config = split_config(argv)[0]
-        default, argv = file_defaults(args_type, argv, prog)
+        default, rest = file_defaults(args_type, argv, prog)
+        keys = given_file_keys(args_type, argv)[1]
+        argv = rest
         with output_may_close():  # `--help | head`: tyro exits after its help, and Python's
             args = parse_options(  # own flush at exit met the closed pipe (exit status 120)
                 args_type, argv, prog, default, f"{args_type.__doc__}\n\n{CONFIG_HELP}")
@@ -284,7 +298,7 @@ def _run_command(prog: str, args_type: type, run: Callable[[Any], int],
         return 0
     except (ValueError, OSError) as e:  # ConfigFileError, UsageError; an output the -c file
         # names that cannot be looked at (a name too long for the file system: a traceback)
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {named(e)}", file=sys.stderr)
         return 2
     try:
         code = run(args)
@@ -294,7 +308,8 @@ def _run_command(prog: str, args_type: type, run: Callable[[Any], int],
         drop_output()
         return 0
     except errors as e:  # GGUFError and ImageDataError are ValueErrors
-        print(f"{prog}: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
+        print(f"{prog}: error: {' '.join(named(e).split()) or type(e).__name__}",
+              file=sys.stderr)
         return 2
     except MemoryError as e:  # numpy's message names the size and shape it wanted
         print(f"{prog}: error: out of memory: {e}; lower --batch-size", file=sys.stderr)

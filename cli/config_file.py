@@ -665,6 +665,17 @@ def defaults_from_file(cls: type, options: dict[str, Any], source: str, prog: st
     return cls(**kw)
 
 
+def given_file_keys(cls: type, argv: list[str]) -> tuple[str | None, dict[str, str]]:
+    """(the -c file of `argv` or None, {flag: the key as the file spells it} of the options of
+    `cls` it sets that `argv` does not give over it: `file_flags`, `under_the_flags`), for a
+    forward-only command's lines on them (`file_key_error`; toymlx-eval's `limit:`). Call it
+    after `file_defaults` read the file (which refuses a bad one)."""
+    path, rest = split_config(argv)
+    if path is None:
+        return None, {}
+    return path, under_the_flags(file_flags(cls, read_config_file(path), path), rest)
+
+
 def file_defaults(cls: type, argv: list[str], prog: str) -> tuple[Any, list[str]]:
     """(tyro's default instance from `-c FILE`, or None without one; the other arguments)."""
     path, rest = split_config(argv)

@@ -70,8 +70,9 @@ class Args:
     chat/SFT rows (a LoRA run; a Llama GGUF on chat examples); the report says N of how many.
     More than the split holds scores all of it. Default: the whole split."""
     max_examples_flag: str = dataclasses.field(init=False, default="--max-examples")
-    """--max-examples as the command line spells it (--limit, mlx_lm.evaluate's): what the
-    report and a refusal name (`flag_as_typed`); not an option."""
+    """--max-examples as the command line spells it (--limit, mlx_lm.evaluate's), else as a -c
+    file's key spells it (`limit`, `file_words`): what the report and a refusal name
+    (`flag_as_typed`); not an option."""
     data_pack: Annotated[bool, tyro.conf.arg(
         name="data.pack", help_behavior_hint="(default: a run's own, else off)"),
         tyro.conf.FlagCreatePairsOff] = False
@@ -117,12 +118,16 @@ PROG = "toymlx-eval"
 
 @console_command("toymlx-eval")
 def main(argv: list[str] | None = None) -> int:
+    from toymlx_cli.config_file import file_words, given_file_keys, option_table
     from toymlx_cli.usage import flag_as_typed
 
-    typed = flag_as_typed(sys.argv[1:] if argv is None else argv, Args, "max_examples")
+    argv = sys.argv[1:] if argv is None else argv
+    typed = flag_as_typed(argv, Args, "max_examples")
 
-    def run(args: Args) -> int:
-        args.max_examples_flag = typed or args.max_examples_flag
+    def run(args: Args) -> int:  # the -c file read (`run_command`): its key as it spells it
+        key = given_file_keys(Args, argv)[1].get("--max-examples")
+        in_file = key and file_words(f"--{key}", option_table(Args))
+        args.max_examples_flag = typed or in_file or args.max_examples_flag
         return show(args)
 
     return run_command(PROG, Args, run, argv, outputs=("plot",))
@@ -159,8 +164,11 @@ def check_sizes(args: Args) -> None:
         raise ValueError(f"--seq-len: expected >= 1 tokens (or leave it out: the run's own, "
                          f"else 256), found {args.seq_len}")
     if args.max_examples is not None and args.max_examples < 1:
-        raise ValueError(f"{args.max_examples_flag}: expected >= 1 examples to score (or leave "
-                         f"it out: the whole split), found {args.max_examples}")
+        # a file's key is named by its file (`file_key_error`) from the option's flag
+        flag = args.max_examples_flag if args.max_examples_flag.startswith("-") else \
+            "--max-examples"
+        raise ValueError(f"{flag}: expected >= 1 examples to score (or leave it out: the whole "
+                         f"split), found {args.max_examples}")
 
 
 def subset(limit: int | None, scored: int, total: int, split: str, unit: str,

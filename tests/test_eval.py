@@ -93,6 +93,35 @@ def test_the_subset_flag_is_named_as_typed(flag, capsys):
     assert capsys.readouterr().err.startswith("toymlx-eval: error: --max-examples: expected")
 
 
+def test_a_config_file_s_subset_key_is_named_as_the_file_spells_it(
+        tiny_gguf, tmp_path, capsys):  # noqa: F811
+    """A -c file's `limit:` (mlx_lm.evaluate's name) was named --max-examples in the refusals
+    and the report's words, a flag the user never typed; now its key as the file spells it, and
+    another key a later check refuses (batch_size: 0) by the file too, not by its flag."""
+    f = tmp_path / "e.yaml"
+    for key, value, named in (("limit", 0, "key 'limit'"), ("max-examples", 0,
+                                                           "key 'max-examples'")):
+        f.write_text(f"model: nowhere.gguf\n{key}: {value}\n")
+        assert eval_main(["-c", str(f)]) == 2
+        assert capsys.readouterr().err == (
+            f"toymlx-eval: error: {f}: {named}: expected >= 1 examples to score (or leave it "
+            "out: the whole split), found 0\n")
+    assert eval_main(["-c", str(f), "--limit", "0"]) == 2  # the command line's over the file
+    assert capsys.readouterr().err.startswith("toymlx-eval: error: --limit: expected >= 1")
+    f.write_text("model: nowhere.gguf\nbatch_size: 0\n")
+    assert eval_main(["-c", str(f)]) == 2
+    assert capsys.readouterr().err == (
+        f"toymlx-eval: error: {f}: key 'batch_size': expected >= 1 examples per forward pass, "
+        "found 0\n")
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 8)
+    f.write_text(f"model: {tiny_gguf}\ndata.path: {text}\nseq_len: 16\nlimit: 3\njson: true\n")
+    capsys.readouterr()
+    assert eval_main(["-c", str(f)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["subset"].endswith(" windows of 16 tokens (limit 3)")
+
+
 def test_overwrite_without_a_plot_is_one_line(capsys):
     """--overwrite replaces an existing --plot file, eval's only one: alone it did nothing."""
     assert eval_main(["--model", "nowhere.gguf", "--overwrite"]) == 2
