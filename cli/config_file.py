@@ -89,7 +89,6 @@ MLX_LM_COMMAND_KEYS = {
     "toymlx-generate": {  # mlx_lm.generate's
         "adapter_path": "--model (the run folder: its base with its adapter; --adapter RUN "
                         "over another --model)",
-        "system_prompt": "--system",
         # mlx-lm's rotating cache keeps the newest max_kv_size tokens; toymlx's context shift
         # keeps the newer half of the window, its size not set by a flag
         "max_kv_size": "toymlx-generate's cache holds the model's whole window; where the text "

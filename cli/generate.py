@@ -70,10 +70,10 @@ class Args:
     ignore_chat_template: bool = False
     """Continue --prompt as raw text even where the GGUF has a chat template (mlx_lm.generate's
     flag; an instruct model often ends at once on raw text)."""
-    system: Annotated[str | None, tyro.conf.arg(aliases=("-sys",))] = None
+    system: Annotated[str | None, tyro.conf.arg(aliases=("-sys", "--system-prompt"))] = None
     """An optional system message placed before the user's (the chat template only; where the
     template has no system role, as Gemma's, at the start of the user's message, as llama.cpp
-    puts it)."""
+    puts it). -sys and --system-prompt: llama-cli's and mlx_lm.generate's spellings."""
     adapter: str | None = None
     """A LoRA adapter GGUF (or a LoRA run directory) to apply on top of --model."""
     device: Literal["auto", "cpu", "gpu"] = "auto"

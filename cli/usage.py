@@ -286,7 +286,6 @@ LLAMA_CPP_FLAGS: PeerFlags = {
         ("device", ("llama.cpp's -ngl is --device gpu here (the whole model on MLX's GPU; "
                     "--device cpu: none of it)")),)),
     **dict.fromkeys(("-cnv", "--conversation"), (("chat", "llama.cpp's -cnv is --chat here"),)),
-    "--system-prompt": (("system", "llama.cpp's --system-prompt is --system here"),),
     "--ctx-size": (("context_shift", ("llama.cpp's --ctx-size has no counterpart here: the "
                                       "model's own context is read (a from-scratch run's "
                                       "--seq-len), the text shifted past it "
@@ -295,11 +294,11 @@ LLAMA_CPP_FLAGS: PeerFlags = {
     **dict.fromkeys(("-f", "--file"), (("prompt", "llama.cpp's -f FILE is --prompt - < FILE here"),)),
 }
 """llama.cpp's flags (llama-cli, llama-completion, llama-perplexity) as its users type them
-(toymlx-generate takes -p, -n, -s and -sys as aliases; -s is named here for toymlx-train); -m,
-which mlx_lm.generate spells for --max-tokens, is both where the command has both; --lora is
-the adapter, or the run folder where a command takes the adapter with its base; --lora-scaled
-too, at the adapter's own scale (a toymlx adapter is applied at its alpha / rank, llama.cpp's S
-1), or --lora.alpha where a run sets that scale."""
+(toymlx-generate takes -p, -n, -s, -sys and --system-prompt as aliases; -s is named here for
+toymlx-train); -m, which mlx_lm.generate spells for --max-tokens, is both where the command has
+both; --lora is the adapter, or the run folder where a command takes the adapter with its base;
+--lora-scaled too, at the adapter's own scale (a toymlx adapter is applied at its alpha / rank,
+llama.cpp's S 1), or --lora.alpha where a run sets that scale."""
 
 NANOGPT_FLAGS: PeerFlags = {
     "max_iters": (("steps", "nanoGPT's max_iters is toymlx's --steps"),),

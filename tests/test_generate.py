@@ -434,6 +434,24 @@ def test_llama_cli_s_and_mlx_lm_s_short_flags_are_toymlx_s_options(stories_path,
     args = parse_options(cli.Args, ["--model", "m", "-sys", "Be brief.", "-p", "Hi"], cli.PROG)
     assert (args.system, args.prompt) == ("Be brief.", "Hi")
 
+
+def test_system_prompt_is_system(stories_path, tmp_path, capsys):
+    """--system-prompt (mlx_lm.generate's and llama-cli's long flag) was refused with a hint
+    ("mlx-lm's --system-prompt is toymlx-generate's --system"); it is --system's alias, as -sys
+    is, on the command line and as a -c file's key."""
+    from toymlx_cli.usage import parse_options
+
+    for flags in (["--system-prompt", "Be brief."], ["--system-prompt=Be brief."]):
+        args = parse_options(cli.Args, ["--model", "m", *flags, "-p", "Hi"], cli.PROG)
+        assert (args.system, args.prompt) == ("Be brief.", "Hi")
+    f = tmp_path / "g.yaml"  # a later check names the key as the file spells it
+    f.write_text(f"model: {stories_path}\nsystem_prompt: Be brief.\nprompt: Hi\n"
+                 "ignore_chat_template: true\n")
+    assert cli.main(["-c", str(f)]) == 2
+    assert capsys.readouterr().err == (
+        f"toymlx-generate: error: {f}: key 'system_prompt': expected a prompt rendered through "
+        "a chat template, found --ignore-chat-template\n")
+
 def test_stream_prints_multibyte_characters_whole(monkeypatch):
     from toymlx.data.tokenizer import byte_tokenizer
     from toymlx.generation import generate as gen

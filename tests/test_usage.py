@@ -320,7 +320,6 @@ def test_unsloths_gguf_quantization_is_toymlx_export_s_dtype(capsys):
     ("eval", "--adapter-path", ("mlx-lm's --adapter-path is toymlx-eval's --model (the run "
      "folder: its base with its adapter)")),
     ("export", "--save-path", "mlx-lm's --save-path is toymlx-export's --out"),
-    ("generate", "--system-prompt", "mlx-lm's --system-prompt is toymlx-generate's --system"),
     # mlx_lm.fuse's --dequantize (before: "did you mean --exact-size?", which keeps the base's
     # quantized size) and --upload-repo, mlx_lm.generate's --verbose (before: no hint)
     ("export", "--dequantize", ("mlx-lm's --dequantize is toymlx-export's --dtype f16 (every "
