@@ -286,6 +286,17 @@ def test_held_out_files_inside_the_training_folder_but_not_trained_on_are_taken(
             f"never validated on), found {held}, the official test set {folder} validates on at "
             "every eval already; leave out --data.test-path and --test (the val_loss and accuracy "
             "are that test set's), or validate on another set with --data.val-path")
+    for folder, held in ((mnist, t10k), (cifar, cifar / "test_batch")):
+        # a hard link to the official test set (not caught: resolved paths were compared)
+        linked = tmp_path / "linked" / folder.name / held.name
+        linked.parent.mkdir(parents=True)
+        os.link(held, linked)
+        with pytest.raises(ValueError) as e:
+            check_config(recipe, Config(data=ImageData(path=str(folder),
+                                                       test_path=str(linked))), new_run=True)
+        assert str(e.value).startswith(
+            f"--data.test-path: expected images apart from the validation set (a test set is "
+            f"never validated on), found {linked}, the official test set {folder} validates on")
     for folder, trained in ((mnist, mnist / "train-images-idx3-ubyte"),
                             (cifar, cifar / "data_batch_2")):
         with pytest.raises(ValueError) as e:

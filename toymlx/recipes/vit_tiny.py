@@ -11,7 +11,7 @@ follows the image and set size (`augment_for`) unless a `--data.*` flag says oth
 from __future__ import annotations
 
 import sys
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -233,9 +233,8 @@ def _not_its_own_test_set(path: str, test_path: str) -> None:
     """ValueError where --data.test-path names the official test set of the CIFAR or MNIST
     folder --data.path, which validates on it at every eval (without --data.val-path): --test
     would score the validation images again, as a held-out test."""
-    own = set(map(Path.resolve, source_files(path))) - set(
-        map(Path.resolve, source_files(path, trained=True)))
-    if own and any(f.resolve() in own for f in source_files(test_path)):
+    own = set(source_files(path)) - set(source_files(path, trained=True))
+    if own and _shared_file(source_files(test_path), own) is not None:
         raise ValueError(f"--data.test-path: expected images apart from the validation set (a "
                          f"test set is never validated on), found {test_path}, the official test "
                          f"set {path} validates on at every eval already; leave out "
@@ -266,16 +265,26 @@ def _apart(which: str, held: str, flag: str, other: str | None, never: str) -> N
     not: the folder trains on its train-* files alone). The line names both files."""
     if other is None:
         return
-    read = {}
-    for f in source_files(other, trained=flag == "--data.path"):
+    shared = _shared_file(source_files(held), source_files(other, trained=flag == "--data.path"))
+    if shared is not None:
+        f, twin = shared
+        how = f"both read {f}" if f == twin else f"{f} and {twin} are one file"
+        raise ValueError(f"{which}: expected images apart from {flag} ({never}), found "
+                         f"{held}, which overlaps {other} ({how})")
+
+
+def _shared_file(files: Iterable[Path], others: Iterable[Path]) -> tuple[Path, Path] | None:
+    """(the first of `files` that is one of `others` by file identity, device and inode: the
+    same path, a link or a hard link to it; that one of `others`), or None where none is."""
+    read: dict[tuple[int, int], Path] = {}
+    for f in others:
         st = f.stat()
         read.setdefault((st.st_dev, st.st_ino), f)
-    for f in source_files(held):
+    for f in files:
         st = f.stat()
         if (twin := read.get((st.st_dev, st.st_ino))) is not None:
-            how = f"both read {f}" if f == twin else f"{f} and {twin} are one file"
-            raise ValueError(f"{which}: expected images apart from {flag} ({never}), found "
-                             f"{held}, which overlaps {other} ({how})")
+            return f, twin
+    return None
 
 
 def auto_patch(side: int) -> int:
