@@ -886,6 +886,8 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
         row_keys,
         sft_val_batches,
         test_file,
+        tools_note,
+        without_tools,
     )
     from toymlx.models.losses import lm_held_out_rows, lm_held_out_sums, lm_loss
     from toymlx.recipes.lora import DEFAULT_DATA
@@ -910,8 +912,12 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     turns = turns or data.get("train_turns", "assistant")
     keys = row_keys(data.get("keys", ()))
     bar = progress is not None  # tokenizing bars on a terminal, as the pass's own
+    dropped = [0]  # examples whose "tools" a run of --data.drop-tools left out, as it did
 
     def rows_of(examples: list, name: str, most: int | None) -> tuple[dict, Any]:
+        if data.get("drop_tools", False):
+            examples, n = without_tools(examples)
+            dropped[0] += n
         return fitted_rows(examples, tok, seq_len, mask, pack, turns, name if bar else None,
                            first=most)
 
@@ -969,7 +975,8 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     tokens = int(sum(b["mask"].sum() for b in batches))
     return HeldOut(m["test_loss"], scored, source, tokenized, total, n, m.get("test_row_loss"),
                    m.get("test_row_n"), seq_len, tokens, held,
-                   tuple(note for note in notes if note), mask)
+                   tuple(note for note in [tools_note(source, dropped[0]), *notes] if note),
+                   mask)
 
 
 def first_windows(batches: list[dict[str, Any]], n: int | None) -> list[dict[str, Any]]:

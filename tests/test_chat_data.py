@@ -1250,6 +1250,43 @@ TOOLS_TEMPLATE = (  # a template that lists the tools first, as Qwen2.5's and Ll
 )
 
 
+def test_drop_tools_trains_what_a_record_without_tools_trains(tmp_path):
+    """"tools" on a template that never reads them were refused, the only way on editing every
+    record (--data.keys renames none); mlx-lm drops them unsaid. The refusal names
+    --data.drop-tools, which leaves them out with a line saying how many: the rows of the
+    records without "tools", token for token."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    plain = [{"messages": [{"role": "user", "content": f"Weather {i}?"},
+                           {"role": "assistant", "content": f"Sunny {i}."}]} for i in range(6)]
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write(folder, "train.jsonl", "".join(json.dumps({**r, "tools": [tool]} if i % 2 else r) + "\n"
+                                         for i, r in enumerate(plain[:4])))
+    write(folder, "valid.jsonl", "".join(json.dumps({**r, "tools": [tool]}) + "\n"
+                                         for r in plain[4:]))
+    tok = FakeTokenizer(CHATML)
+    with pytest.raises(DataError) as e:
+        SFTData.from_file(folder, tok, seq_len=64)
+    assert str(e.value) == (
+        f'{folder / "train.jsonl"}:2: "tools": expected a chat template that renders tools, '
+        "found one that never reads them (mlx-lm drops them unsaid); give --data.drop-tools to "
+        "leave every example's \"tools\" out (a line says how many), or use a base whose "
+        "template takes tools")
+    dropped = SFTData.from_file(folder, tok, seq_len=64, drop_tools=True)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    write(bare, "train.jsonl", "".join(json.dumps(r) + "\n" for r in plain[:4]))
+    write(bare, "valid.jsonl", "".join(json.dumps(r) + "\n" for r in plain[4:]))
+    want = SFTData.from_file(bare, tok, seq_len=64)
+    for split in ("train", "val"):
+        for k in ("inputs", "targets", "mask"):
+            np.testing.assert_array_equal(getattr(dropped, split)[k], getattr(want, split)[k])
+    assert dropped.notes() == [(
+        f'{folder / "train.jsonl"} + {folder / "valid.jsonl"}: --data.drop-tools: the "tools" '
+        "(function schemas) of 4 examples left out, not rendered by the chat template")]
+    assert want.notes() == []
+
+
 def test_tools_field_reaches_the_template(tmp_path):
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
     call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}

@@ -943,6 +943,45 @@ def chats(tmp_path_factory) -> Path:
     return root
 
 
+def test_drop_tools_trains_and_scores_chats_whose_tools_the_template_never_reads(
+        tmp_path, base, chats, capsys):
+    """Chat rows with "tools" on a base whose template never reads them (CHATML) were refused,
+    the way on only editing the data; mlx-lm drops them unsaid. The refusal names
+    --data.drop-tools; with it the run trains, one line saying how many were left out, and
+    toymlx-eval scores the run's validation rows as its eval did (config.json keeps it)."""
+    from toymlx_cli.eval import main as eval_main
+
+    folder = tmp_path / "tools"
+    folder.mkdir()
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    for split in ("train", "valid"):
+        rows = [json.loads(line) for line in (chats / f"{split}.jsonl").read_text().splitlines()]
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps({**r, "tools": [tool]}) + "\n"
+                                                       for r in rows))
+    path = tmp_path / "c.yaml"
+    run = tmp_path / "runs" / "t"
+    path.write_text(yaml.safe_dump({
+        "model": str(base), "data": str(folder), "iters": 2, "batch_size": 2,
+        "num_layers": 1, "steps_per_eval": 2, "val_batches": -1, "max_seq_length": 64,
+        "adapter_path": str(run)}))
+    assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 2
+    assert error_line(capsys) == (
+        f'toymlx-train: error: {folder / "train.jsonl"}:1: "tools": expected a chat template that '
+        "renders tools, found one that never reads them (mlx-lm drops them unsaid); give "
+        "--data.drop-tools to leave every example's \"tools\" out (a line says how many), or use "
+        "a base whose template takes tools")
+    assert main(["-c", str(path), "--data.drop-tools", "--no-progress", "--no-compile"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert (f'toymlx: {folder / "train.jsonl"} + {folder / "valid.jsonl"}: --data.drop-tools: '
+            'the "tools" (function schemas) of 13 examples left out, not rendered by the chat '
+            "template") in err
+    last = [e for e in read_events(run) if e["kind"] == "eval"][-1]
+    capsys.readouterr()
+    assert eval_main(["--model", str(run), "--json", "--no-progress"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["val_loss"] == pytest.approx(last["val_loss"], abs=1e-5)
+
+
 def test_a_config_run_validates_the_base_before_step_1_once(tmp_path, base, chats, capsys):
     """mlx-lm validates at iteration 1, before any update: the file turns --eval-at-start on,
     whose step-0 eval event holds the base's val loss, the one toymlx-eval scores for the base

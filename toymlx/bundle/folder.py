@@ -324,7 +324,7 @@ def _taken_message(run_dir: Path, what: str, held: list[Path]) -> str:
             f"not a run bundle, holding {_names(held)}; choose another --run-id or --runs-root")
 
 
-CONFIG_FORMAT = 9
+CONFIG_FORMAT = 10
 """config.json's `format`. 2 (toymlx 0.2 on): every option is written, so a missing key is
 damage and refused. A config.json without `format` (written before) is read as it was then: an
 option it lacks (one added since) takes its default, which keeps the old behaviour. An option
@@ -332,7 +332,7 @@ added from now on must bump this and be let off for older formats in `ADDED_IN`.
 ADDED_IN = {3: ("report_every",), 4: ("report_to", "optimizer", "lr_schedule", "lr_schedule_args",
                                        "warmup_init", "subnormals"), 5: ("full",),
           6: ("weight_decay_scope", "eval_at_start", "data.train_turns"), 7: ("wandb_project",),
-          8: ("data.read_as",), 9: ("adam_eps", "bias_correction")}
+          8: ("data.read_as",), 9: ("adam_eps", "bias_correction"), 10: ("data.drop_tools",)}
 """format -> the options it added (dotted: one of a group): a config.json of an older format
 (2 on) lacks them, and they take their defaults there (the training those runs had: toymlx's
 AdamW decaying matrices only and its schedule, no reporters, a full fine-tune of every weight,

@@ -960,6 +960,21 @@ def _render(tokenizer: ChatTokenizer, messages: Sequence[dict[str, Any]], gen: b
                         f"{type(e).__name__}: {e}{hint}") from None
 
 
+def without_tools(examples: Sequence[Example]) -> tuple[list[Example], int]:
+    """(`examples` with each one's "tools" left out, --data.drop-tools; how many had any)."""
+    dropped = sum(e.tools is not None for e in examples)
+    return [dataclasses.replace(e, tools=None) if e.tools else e for e in examples], dropped
+
+
+def tools_note(source: str, dropped: int) -> str | None:
+    """The line --data.drop-tools says of the `dropped` examples of `source` whose "tools" it
+    left out (None: none had any)."""
+    if not dropped:
+        return None
+    return (f'{source}: --data.drop-tools: the "tools" (function schemas) of '
+            f"{counted(dropped, 'example')} left out, not rendered by the chat template")
+
+
 def template_takes_tools(template: str) -> bool:
     """Whether a Jinja chat template reads the `tools` variable (so a `tools` field is shown
     to the model rather than silently dropped)."""
@@ -1045,8 +1060,9 @@ def _message_pieces(
         raise no_chat_template(source, getattr(tokenizer, "source", None) or "this tokenizer")
     if tools and not template_takes_tools(tokenizer.chat_template):
         raise DataError(f'{source}: "tools": expected a chat template that renders tools, found '
-                        f"one that never reads them (they would be dropped); remove the "
-                        f'"tools" field or use a base whose template takes tools')
+                        f"one that never reads them (mlx-lm drops them unsaid); give "
+                        f'--data.drop-tools to leave every example\'s "tools" out (a line says '
+                        f"how many), or use a base whose template takes tools")
     calls = [i for i, m in enumerate(messages) if m.get("tool_calls")]
     if calls and "tool_calls" not in tokenizer.chat_template:  # Jinja reads it as m.tool_calls
         raise DataError(f"{source}: messages[{calls[0]}].tool_calls: expected a chat template "
@@ -1831,15 +1847,18 @@ class SFTData:
     """The rows' --seq-len, for the notes and errors"""
     val_note: str | None = None
     """A data folder without valid.jsonl: which training examples validate instead"""
+    tools_note: str | None = None
+    """--data.drop-tools: how many examples' "tools" were left out (`tools_note`)"""
 
     def split_source(self, split: str) -> str:
         """The file a split's examples came from ("train", "validation" or "test")."""
         return str(self.test_source) if split == "test" else self.source.of(split)
 
     def notes(self, test: bool = True) -> list[str]:
-        """One console line per split whose examples were cut or left out (`Fit.note`); the
-        test split's only with `test` (when it is scored)."""
-        return [self.val_note] * bool(self.val_note) + [
+        """The validation split's and --data.drop-tools' lines, then one console line per split
+        whose examples were cut or left out (`Fit.note`); the test split's only with `test`
+        (when it is scored)."""
+        return [n for n in (self.val_note, self.tools_note) if n] + [
             line for split, fit in self.fits.items() if test or split != "test"
             if (line := fit.note(self.split_source(split), split, self.seq_len))]
 
@@ -1895,22 +1914,33 @@ class SFTData:
         turns: str = "assistant",
         progress: bool = False,
         keys: Mapping[str, str] | None = None,
+        drop_tools: bool = False,
     ) -> SFTData:
         """Load `path` (a file, or an mlx-lm data folder: `data_files`), each record read
         through `keys` (`row_keys`'); validation is `val_path` or the folder's valid.jsonl if
         given, else the last `val_fraction` of the training file; a folder's test.jsonl becomes
         `test`; every split's rows as `turns` says (`TURNS`); `progress` as
-        `from_examples`'s."""
+        `from_examples`'s; `drop_tools`: every example's "tools" left out (`without_tools`),
+        said by a note."""
         ex = SplitExamples.of(path, val_fraction, val_path, keys)
-        data = cls.from_examples(ex.train, ex.val, tokenizer, seq_len, mask_prompt, pack,
+        train, val, dropped = ex.train, ex.val, 0
+        if drop_tools:
+            (train, n), (val, m) = without_tools(train), without_tools(val)
+            dropped = n + m
+        data = cls.from_examples(train, val, tokenizer, seq_len, mask_prompt, pack,
                                  ex.source, turns, progress)
         data = dataclasses.replace(data, val_note=ex.note)
         if ex.test is None:
-            return data
-        test, fit = fitted_rows(load_examples(ex.test, keys), tokenizer, seq_len, mask_prompt, pack,
-                                turns, "test" if progress else None)
+            return dataclasses.replace(data, tools_note=tools_note(str(ex.source), dropped))
+        test_examples = load_examples(ex.test, keys)
+        if drop_tools:
+            test_examples, n = without_tools(test_examples)
+            dropped += n
+        test, fit = fitted_rows(test_examples, tokenizer, seq_len, mask_prompt, pack, turns,
+                                "test" if progress else None)
         return dataclasses.replace(data, test=test, test_source=str(ex.test),
-                                   fits={**data.fits, "test": fit})
+                                   fits={**data.fits, "test": fit},
+                                   tools_note=tools_note(str(ex.source), dropped))
 
     @functools.cached_property
     def first_row(self) -> int | None:

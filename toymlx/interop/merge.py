@@ -140,7 +140,8 @@ def write_fused_exact(out: str | os.PathLike, base: str | os.PathLike,
     data = SFTData.from_file(cfg.data.path or DEFAULT_DATA, tok, cfg.seq_len,
                              cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction,
                              turns=cfg.data.train_turns,
-                             keys=row_keys(getattr(cfg.data, "keys", ())))
+                             keys=row_keys(getattr(cfg.data, "keys", ())),
+                             drop_tools=cfg.data.drop_tools)
     model, g = load_llama(base)
     g.close()
     apply_adapter(model, ad_path)

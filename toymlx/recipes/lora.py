@@ -160,6 +160,10 @@ class ChatDataOptions:
     val_fraction: float = 0.1
     """Fraction of the examples, from the end of the file, held out for validation (not used
     when a data folder has valid.jsonl)."""
+    drop_tools: bool = False
+    """Leave out each `messages` record's "tools" (function schemas) before its chat template
+    renders it, a line at the start saying how many: for a base whose template never reads
+    them, which refuses them otherwise (mlx-lm drops them unsaid)."""
     keys: tuple[str, ...] = ()
     """Row keys read under other names, as KEY=NAME (KEY: prompt, completion, text or
     messages): `--data.keys prompt=question completion=answer` trains {"question", "answer"}
@@ -509,7 +513,7 @@ def build(cfg: Config, ops: Ops) -> Task:
     data = SFTData.from_file(cfg.data.path or DEFAULT_DATA, tok, cfg.seq_len,
                              cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction,
                              turns=cfg.data.train_turns, progress=cfg.progress,
-                             keys=row_keys(cfg.data.keys))
+                             keys=row_keys(cfg.data.keys), drop_tools=cfg.data.drop_tools)
     data.check_held_out(cfg.test)
     check_train_batch(cfg.batch_size, data)
     # rows cut or left out at --seq-len are said once, as mlx-lm warns of truncation

@@ -28,7 +28,7 @@ from toymlx.training.adapter import apply_adapter, check_arch, load_adapter, sha
 KEPT_WARNING = 0.5
 """Below this share of the adapter's change kept, a fused export says so (see adapter_kept)."""
 RUN_DATA_OPTIONS = ("data.path", "data.pack", "data.mask_prompt", "data.train_turns",
-                    "data.val_fraction", "seq_len", "batch_size", "eval_batches",
+                    "data.drop_tools", "data.val_fraction", "seq_len", "batch_size", "eval_batches",
                     "grad_checkpoint")
 """The run's options recorded under `RUN_DATA`, by their dotted config names: how its examples
 became rows and which were held out, and which of those rows its eval events scored in which
