@@ -1018,7 +1018,7 @@ def test_a_fused_file_is_scored_on_its_runs_rows(tiny_gguf, tmp_path, capsys, se
     rec = run_keys(fused)
     assert run_keys(tmp_path / "r" / "fused-f32.gguf") == rec  # --fuse-at-end's file too
     defaults = {"data.pack": True, "data.mask_prompt": True, "data.train_turns": "assistant",
-                "seq_len": 256}
+                "data.drop_tools": False, "seq_len": 256}
     assert rec == {
         "toy.run_data.data.path": str(data.resolve()),
         **{f"toy.run_data.{k}": v for k, v in {**defaults, **recorded}.items()},
