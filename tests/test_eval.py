@@ -1053,7 +1053,8 @@ def test_a_fused_file_is_scored_on_its_runs_rows(tiny_gguf, tmp_path, capsys, se
     assert said == [(
         f"toymlx-eval: rows as the run built them, from {fused}'s toy.run_data.*: --data.path "
         f"{data.resolve()} {flags} --data.train-turns "
-        f"{rec['toy.run_data.data.train_turns']} --data.val-fraction 0.1 --seq-len "
+        f"{rec['toy.run_data.data.train_turns']} --data.no-drop-tools --data.val-fraction 0.1 "
+        "--seq-len "
         f"{rec['toy.run_data.seq_len']} --batch-size 2 --eval-batches 2 --no-grad-checkpoint")]
     # a copy of the data elsewhere is the run's data (its fingerprint): the same rows
     copy = shutil.copytree(data, tmp_path / "copy")
