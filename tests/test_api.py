@@ -535,7 +535,7 @@ def test_another_tool_s_flag_a_hint_names_is_kept_as_that_tool_spells_it(tmp_pat
                                            [recipe])
                     assert f"'s {flag} " in told, (flag, recipe, told)
                     kept += 1
-    assert kept == 2 * 60  # the texts naming a peer's flag, each under both recipes
+    assert kept == 2 * 59  # the texts naming a peer's flag, each under both recipes
     # toymlx's own flags beside them are still keywords
     assert keyword_message("llama.cpp's --ctx-size is --seq-len here", {"ctx_size": 1},
                            ["lora"]) == "llama.cpp's --ctx-size is seq_len here"
