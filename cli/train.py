@@ -136,6 +136,7 @@ def _main(argv: list[str] | None) -> int:
 
     from toymlx.bundle.options import RunError
     from toymlx.recipes import get_recipe
+    from toymlx.runner.api import check_given_types
     from toymlx.runner.bundle import Bundle
     from toymlx.runner.run import run_training
 
@@ -187,6 +188,8 @@ def _main(argv: list[str] | None) -> int:
         else:
             module = get_recipe(recipe)
             if config_path is not None:
+                # a `toymlx.train(config=FILE)` call's keywords, by the recipe the file names
+                check_given_types(module.Config)
                 try:
                     default = defaults_from_file(module.Config, options, config_path,
                                                  f"toymlx-train --recipe {recipe}")

@@ -691,13 +691,39 @@ def test_a_keyword_of_the_wrong_type_is_refused_naming_it_and_its_type(tmp_path)
     assert sorted(p.name for p in run.iterdir()) == ["config.json"]
     # what each type takes: a float an int, an int a numpy int, a choice its value
     from toymlx.recipes import get_recipe
-    from toymlx.runner.api import _check_types
+    from toymlx.runner.api import check_types
 
-    _check_types({"lr": 1, "steps": np.int64(3), "seq_len": 8, "optimizer": "sgd",
-                  "lr_schedule_args": [1, 0.5], "from_step": 5, "run_id": tmp_path,
-                  "compile": False}, get_recipe("lora").Config)
-    _check_types({"model": {"d_model": 32}, "from_step": "step_2"},
-                 get_recipe("from-scratch").Config)
+    check_types({"lr": 1, "steps": np.int64(3), "seq_len": 8, "optimizer": "sgd",
+                 "lr_schedule_args": [1, 0.5], "from_step": 5, "run_id": tmp_path,
+                 "compile": False}, get_recipe("lora").Config)
+    check_types({"model": {"d_model": 32}, "from_step": "step_2"},
+                get_recipe("from-scratch").Config)
+
+
+def test_a_config_file_s_keywords_are_checked_by_the_recipe_it_names(tmp_path):
+    """train(config=FILE) without recipe= left its keywords unchecked (the file, which names the
+    recipe, is read by the command): steps="10" ran as --steps 10. The command checks them, sent
+    as JSON, once it has read the recipe, a toymlx file's `recipe:` or an mlx-lm file's lora;
+    nothing is written."""
+    import toymlx
+
+    toy = tmp_path / "toy.yaml"
+    toy.write_text("recipe: from-scratch\nsteps: 2\n")
+    mlx = tmp_path / "mlx.yaml"  # an mlx-lm lora config: the lora recipe's options
+    mlx.write_text("model: none.gguf\niters: 2\nlearning_rate: 1e-4\n")
+    for config, options, want in (
+            (toy, {"steps": "10"}, "steps: expected an integer, found the str '10'"),
+            (toy, {"model": {"d_model": "64"}},
+             'model={"d_model": ...}: expected an integer, found the str \'64\''),
+            (mlx, {"lr": "3e-4"}, "lr: expected a number, found the str '3e-4'"),
+            (mlx, {"data": {"pack": "no"}},
+             'data={"pack": ...}: expected True or False, found \'no\''),
+            (mlx, {"compile": 1}, "compile: expected True or False, found 1")):
+        with pytest.raises(toymlx.OptionError) as e:
+            toymlx.train(config=str(config), runs_root=str(tmp_path / "runs"), echo=False,
+                         **options)
+        assert str(e.value) == f"toymlx-train: error: {want}", options  # the command's line
+    assert not (tmp_path / "runs").exists()
 
 
 def test_the_config_file_is_named_as_the_config_keyword(tmp_path):

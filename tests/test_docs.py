@@ -605,6 +605,7 @@ INTERNAL_VARIABLES = {
     "TOYMLX_PARENT_PID": "set by a toymlx parent for its children (toymlx/backend/lifeline.py)",
     "TOYMLX_RANK_STATUS": "set by toymlx-launch for its ranks (toymlx/runner/launch.py)",
     "TOYMLX_RESTARTED": "set by a command's huge-page restart (toymlx/backend/device.py)",
+    "TOYMLX_TRAIN_KEYWORDS": "set by toymlx.train(config=FILE) for its command (runner/api.py)",
 }
 """TOYMLX_* variables the code reads that toymlx sets itself, for a process of its own: no
 user sets them, so no guide names them."""

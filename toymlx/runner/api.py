@@ -116,9 +116,14 @@ def _train(recipe: str | None, echo: bool, options: dict[str, Any]) -> dict[str,
     # a str the command checks, naming the recipes; None only where the run or file names it
     if not isinstance(recipe, str) and not (recipe is None and (resume or config) is not None):
         raise OptionError(f"recipe: expected one of {', '.join(RECIPES)}, found {recipe!r}")
-    # a resume's keywords (steps=, a run-local option) too, by the run's recipe
+    # a resume's keywords (steps=, a run-local option) too, by the run's recipe; a config
+    # file's recipe is known once the command reads the file (cli code): the keywords go to it
+    # as JSON, checked there (`KEYWORDS_ENV`)
+    typed = None
     if (checked := recipe if recipe is not None else _resumed_recipe(resume)) in RECIPES:
-        _check_types(options, get_recipe(checked).Config)
+        check_types(options, get_recipe(checked).Config)
+    elif recipe is None and resume is None:
+        typed = json.dumps(_json_tree(options))
     if resume is None and config is None and options.get("run_id") is None:
         options["run_id"] = default_run_id(recipe)  # known here, so the bundle can be read
     # a config file's runs_root and run_id are the child's to read: its bundle is then the
@@ -130,7 +135,8 @@ def _train(recipe: str | None, echo: bool, options: dict[str, Any]) -> dict[str,
                          *option_flags(options))
     before = _stamp(run_dir / "events.jsonl") if run_dir is not None else None
     # the command's notes relayed as its refusals are raised: in the keywords `train` takes
-    tail = _run_child(cmd, echo, lambda note: keyword_message(note, options, [recipe]))
+    tail = _run_child(cmd, echo, lambda note: keyword_message(note, options, [recipe]),
+                      {} if typed is None else {KEYWORDS_ENV: typed})
     if run_dir is None and (named := re.search(r"bundle: (.+)$", tail.last_line)):
         run_dir = Path(named.group(1))  # new to this call: a record there is the run's own
     summary = (summarize_run(run_dir) if run_dir is not None
@@ -350,7 +356,31 @@ def _resumed_recipe(resume: Any) -> str | None:
         return None
 
 
-def _check_types(options: dict[str, Any], cls: type, group: str = "") -> None:
+KEYWORDS_ENV = "TOYMLX_TRAIN_KEYWORDS"
+"""Set in the command a `train(config=FILE)` call without recipe= runs: its keywords as JSON
+(`_json_tree`), whose types the command checks (`check_types`) once it has read the recipe the
+file names, which only the command's code reads."""
+
+
+def _json_tree(options: Any) -> Any:
+    """Keywords as JSON holds them, each value `_json_like` (a tuple a list; a value JSON has no
+    type for as its repr, which no option takes)."""
+    if isinstance(options, dict):
+        return {str(k): _json_tree(v) for k, v in options.items()}
+    if isinstance(options, (list, tuple)):
+        return [_json_tree(v) for v in options]
+    value = _json_like(options)
+    return value if value is None or isinstance(value, (str, int, float, bool)) else repr(value)
+
+
+def check_given_types(cls: type) -> None:
+    """In the command a `train(config=FILE)` call runs (`KEYWORDS_ENV`): its keywords checked
+    against the options of the recipe the file named (`check_types`); nothing elsewhere."""
+    if (typed := os.environ.get(KEYWORDS_ENV)) is not None:
+        check_types(json.loads(typed), cls)
+
+
+def check_types(options: dict[str, Any], cls: type, group: str = "") -> None:
     """OptionError for a keyword whose value the recipe's option (a field of its config
     dataclass `cls`, the type its flag takes) does not take, before anything starts, naming the
     keyword, what it takes and what was given: `steps="10"` ran as `--steps 10`, `steps=True`
@@ -375,7 +405,7 @@ def _check_types(options: dict[str, Any], cls: type, group: str = "") -> None:
             if not isinstance(value, dict):
                 raise OptionError(f"{shown}: expected a dict (a group of options), found "
                                   f"{_given(value)}")
-            _check_types(value, kind, f"{group}.{key}" if group else key)
+            check_types(value, kind, f"{group}.{key}" if group else key)
         elif kind is bool:
             if not isinstance(value, bool):
                 raise OptionError(f"{shown}: expected True or False, found {value!r}")
@@ -555,8 +585,8 @@ class _Output:
         return " ".join(kept) or self.last_line
 
 
-def _run_child(cmd: list[str], echo: bool, say: Callable[[str], str] | None = None
-               ) -> _Output:
+def _run_child(cmd: list[str], echo: bool, say: Callable[[str], str] | None = None,
+               env: dict[str, str] | None = None) -> _Output:
     """Run `cmd` tied to this process (it stops if this one dies), its stdout and stderr relayed
     to `sys.stdout` (a notebook's cell output too) a line as it comes (a refusal and the run's
     last line held back: `_Output.relay`), and return once it has ended.
@@ -569,10 +599,11 @@ def _run_child(cmd: list[str], echo: bool, say: Callable[[str], str] | None = No
     Ctrl-C: the run checkpoints and ends, its output still read (a child left writing into a
     pipe nobody reads would hang, holding its bundle's lock); `_Output.stopped` then holds what
     `train` raises (KeyboardInterrupt, BrokenPipeError, the relay's error). `say`: how the
-    command's notes are relayed (`_Output.said`)."""
+    command's notes are relayed (`_Output.said`); `env`: variables set for it besides."""
     out, text = _Output(say), codecs.getincrementaldecoder("utf-8")(errors="replace")
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             env={**child_env(), CALLER_ENV: CALLER}, start_new_session=True)
+                             env={**child_env(), CALLER_ENV: CALLER, **(env or {})},
+                             start_new_session=True)
     assert child.stdout is not None
     fd, relaying = child.stdout.fileno(), echo
     with child.stdout:  # closed once read to its end: each call's pipe, not left to the GC
