@@ -99,6 +99,12 @@ class Args:
         tyro.conf.FlagCreatePairsOff] = False
     """Chat/SFT examples: score every token of a row, prompts and chat headers too, as mlx-lm
     does without --mask-prompt and a toymlx lora run of --data.no-mask-prompt."""
+    data_drop_tools: Annotated[bool, tyro.conf.arg(
+        name="data.drop-tools", help_behavior_hint="(default: a run's own, else off)"),
+        tyro.conf.FlagCreatePairsOff] = False
+    """Chat examples: leave out each record's "tools" before the chat template renders them,
+    as a lora run of --data.drop-tools does (a run's own setting by default): for a template
+    that never reads them, which refuses them otherwise."""
     device: Literal["auto", "gpu", "cpu"] = "auto"
     """Where MLX runs."""
     plot: str | None = None
@@ -255,7 +261,8 @@ def mask_flag(args: Args) -> bool | None:
 def chat_flags(args: Args) -> list[str]:
     """The flags given that build chat/SFT rows (--data.pack, --data.no-mask-prompt, ...)."""
     return [name for flag, yes in ((pack_flag(args), "pack"), (mask_flag(args), "mask-prompt"))
-            if flag is not None for name in [f"--data.{'' if flag else 'no-'}{yes}"]]
+            if flag is not None for name in [f"--data.{'' if flag else 'no-'}{yes}"]] + [
+        "--data.drop-tools"] * args.data_drop_tools
 
 
 def mlx_lm_folder(args: Args, cfg: Any) -> bool:
@@ -563,7 +570,8 @@ class FileRun(NamedTuple):
         if args.data_path is not None:
             data.pop("path", None)
             mine.append("--data.path")
-        for key, flag in (("pack", pack_flag(args)), ("mask_prompt", mask_flag(args))):
+        for key, flag in (("pack", pack_flag(args)), ("mask_prompt", mask_flag(args)),
+                          ("drop_tools", args.data_drop_tools or None)):
             if flag is not None:  # --data.pack, --data.no-mask-prompt, ...: the flag's rows
                 data.pop(key, None)
         mine += chat_flags(args)
@@ -776,11 +784,14 @@ def evaluate_chat(args: Args, cfg: Any, rows: RunRows | None = None) -> dict:
     own = outside_rows(args, model) if cfg is None else None
     mask = own.mask if own is not None else mask_flag(args)
     run_mask = getattr(getattr(cfg, "data", None), "mask_prompt", True)
-    if rows is not None and (pack != chat_pack(cfg, None) or mask not in (None, run_mask)):
+    run_drop = getattr(getattr(cfg, "data", None), "drop_tools", False)
+    if rows is not None and (pack != chat_pack(cfg, None) or mask not in (None, run_mask)
+                             or args.data_drop_tools > run_drop):
         rows = rows._replace(own=False)  # other rows than the run's own
     r = chat_loss(model, tok, cfg, split, args.data_path, own.seq_len if own else args.seq_len,
                   own.batch_size if own else args.batch_size or 256, first=args.max_examples, progress=bar_name(args),
-                  pick=rows, pack=pack, mask=mask, turns=own.turns if own else None)
+                  pick=rows, pack=pack, mask=mask, turns=own.turns if own else None,
+                  drop_tools=args.data_drop_tools or None)
     # named as the run's events name them (test) and as a text checkpoint's report (val, all)
     names = ("test_loss", "test_perplexity") if split == "test" else ("val_loss", "perplexity")
     # rows: the examples of one row each (padded) or run together (packed, --data.pack)
@@ -863,7 +874,7 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
               seq_len: int | None = None, batch_size: int = 256, first: int | None = None,
               progress: str | None = PROG, pick: RunRows | None = None,
               per_row: bool = False, pack: bool | None = None, mask: bool | None = None,
-              turns: str | None = None) -> HeldOut:
+              turns: str | None = None, drop_tools: bool | None = None) -> HeldOut:
     """What `model` scores on a LoRA run's chat/SFT rows of `split` (see `evaluate_chat`), `cfg`
     the run's configuration (None: --data.path or the default); `first`: only the first that
     many rows (--max-examples), no example after them tokenized; `pick` (instead, on the
@@ -872,8 +883,9 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     row's loss sum and count too (`lm_held_out_rows`); `pack`: --data.pack or --data.no-pack
     as given (None: the run's own, else one example a row, `chat_pack`); `mask`, `turns`:
     --data.mask-prompt and --data.train-turns (None: the run's own, else masked, assistant
-    turns); `progress`: the name of the pass's progress bar (drawn on a terminal, `Evaluator`;
-    None: none)."""
+    turns); `drop_tools`: --data.drop-tools as given (None: the run's own, else none dropped);
+    `progress`: the name of the pass's progress bar (drawn on a terminal, `Evaluator`; None:
+    none)."""
     import numpy as np
 
     from toymlx.backend.files import counted
@@ -912,10 +924,11 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     turns = turns or data.get("train_turns", "assistant")
     keys = row_keys(data.get("keys", ()))
     bar = progress is not None  # tokenizing bars on a terminal, as the pass's own
-    dropped = [0]  # examples whose "tools" a run of --data.drop-tools left out, as it did
+    dropped = [0]  # examples whose "tools" --data.drop-tools left out (the run's, or given)
+    drop_tools = data.get("drop_tools", False) if drop_tools is None else drop_tools
 
     def rows_of(examples: list, name: str, most: int | None) -> tuple[dict, Any]:
-        if data.get("drop_tools", False):
+        if drop_tools:
             examples, n = without_tools(examples)
             dropped[0] += n
         return fitted_rows(examples, tok, seq_len, mask, pack, turns, name if bar else None,

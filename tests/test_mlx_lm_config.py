@@ -980,6 +980,18 @@ def test_drop_tools_trains_and_scores_chats_whose_tools_the_template_never_reads
     assert eval_main(["--model", str(run), "--json", "--no-progress"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["val_loss"] == pytest.approx(last["val_loss"], abs=1e-5)
+    # the base outside a run: refused naming toymlx-eval's --data.drop-tools, which scores the
+    # rows of the examples without tools
+    assert eval_main(["--model", str(base), "--data.path", str(folder), "--json"]) == 2
+    assert "give --data.drop-tools to leave every example's" in error_line(capsys, "toymlx-eval")
+    assert eval_main(["--model", str(base), "--data.path", str(folder), "--json",
+                      "--data.drop-tools"]) == 0
+    out, err = capsys.readouterr()
+    assert (f'toymlx-eval: {folder / "train.jsonl"} + {folder / "valid.jsonl"}: '
+            '--data.drop-tools: the "tools" (function schemas) of 13 examples left out, not '
+            "rendered by the chat template") in err.splitlines()  # --split all: no test.jsonl
+    assert eval_main(["--model", str(base), "--data.path", str(chats), "--json"]) == 0
+    assert json.loads(out)["val_loss"] == json.loads(capsys.readouterr().out)["val_loss"]
 
 
 def test_a_config_run_validates_the_base_before_step_1_once(tmp_path, base, chats, capsys):
