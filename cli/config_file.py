@@ -666,13 +666,25 @@ def defaults_from_file(cls: type, options: dict[str, Any], source: str, prog: st
 
 def given_file_keys(cls: type, argv: list[str]) -> tuple[str | None, dict[str, str]]:
     """(the -c file of `argv` or None, {flag: the key as the file spells it} of the options of
-    `cls` it sets that `argv` does not give over it: `file_flags`, `under_the_flags`), for a
-    forward-only command's lines on them (`file_key_error`; toymlx-eval's `limit:`). Call it
-    after `file_defaults` read the file (which refuses a bad one)."""
+    `cls` it sets that `argv` does not give over it by any spelling, an alias too (`--temp` over
+    `temperature:`, `-sys`): `file_flags`), for a forward-only command's lines on them
+    (`file_key_error`; toymlx-eval's `limit:`). Call it after `file_defaults` read the file
+    (which refuses a bad one)."""
     path, rest = split_config(argv)
     if path is None:
         return None, {}
-    return path, under_the_flags(file_flags(cls, read_config_file(path), path), rest)
+    table, short = option_table(cls), short_flags(cls)
+    given = set()
+    for a in rest:
+        name = a.partition("=")[0]
+        if name in short:
+            given.add((short[name],))
+        elif name.startswith("--"):
+            group, dot, leaf = _norm(name).rpartition(".")
+            given |= {table.get(f"{group}{dot}{leaf}"), table.get(f"{group}{dot}"
+                                                                    f"{leaf.removeprefix('no_')}")}
+    keys = file_flags(cls, read_config_file(path), path)
+    return path, {f: k for f, k in keys.items() if table.get(_norm(f)) not in given}
 
 
 def file_defaults(cls: type, argv: list[str], prog: str) -> tuple[Any, list[str]]:

@@ -435,6 +435,21 @@ def test_llama_cli_s_and_mlx_lm_s_short_flags_are_toymlx_s_options(stories_path,
     assert (args.system, args.prompt) == ("Be brief.", "Hi")
 
 
+def test_a_file_s_value_refused_is_named_by_its_key_unless_a_flag_gave_it(tmp_path, capsys):
+    """A later check on a -c file's value names the file and its key (it named the flag, not
+    typed); a value the command line gives over the file, by any spelling (--temp, the alias),
+    is named as a flag, not blamed on the file."""
+    f = tmp_path / "g.yaml"
+    f.write_text("model: nowhere.gguf\nprompt: hi\ntemperature: -1\n")
+    assert cli.main(["-c", str(f)]) == 2
+    assert capsys.readouterr().err == (f"toymlx-generate: error: {f}: key 'temperature': "
+                                       "expected a finite number >= 0, found -1.0\n")
+    f.write_text("model: nowhere.gguf\nprompt: hi\ntemperature: 0.5\n")
+    for flags in (["--temp", "-1"], ["--temperature=-1"]):
+        assert cli.main(["-c", str(f), *flags]) == 2
+        assert capsys.readouterr().err.startswith("toymlx-generate: error: --temperature: ")
+
+
 def test_system_prompt_is_system(stories_path, tmp_path, capsys):
     """--system-prompt (mlx_lm.generate's and llama-cli's long flag) was refused with a hint
     ("mlx-lm's --system-prompt is toymlx-generate's --system"); it is --system's alias, as -sys
