@@ -27,7 +27,8 @@ The estimate adds, in bytes:
   each CPU stream the step runs on decodes its own (`step_streams`).
 - runtime: Python, MLX and the data (`RUNTIME_BYTES`), the tokenizer (`TOKENIZER_BYTES` a
   vocabulary token) and the heap kept beyond MLX's arrays (`HEAP_BYTES` a block, unit of width
-  and token a CPU stream runs, `FULL_HEAP_BYTES` a fully trained value: `runtime_bytes`).
+  and token a CPU stream runs, `FULL_HEAP_BYTES` a fully trained value and CPU stream:
+  `runtime_bytes`).
 It is an estimate, written to refuse runs that cannot fit, not to predict a peak to the MB.
 """
 
@@ -77,12 +78,19 @@ session 59 it was 6.5 KiB a block and width whatever the tokens (13 bytes at 512
 SmolLM2's LoRA q 1 x 256 step estimated 12% over its peak RSS (1,045 against 935 MiB), 14% held
 in blocks (634 against 555); now 6% and 4%, its 4 x 256 and the 512-token runs as they were."""
 FULL_HEAP_BYTES = 1
-"""Bytes of RSS per fully trained value beyond `HEAP_BYTES`' count: the freed buffers of its
-gradient and update a full fine-tune's step leaves in the heap. Measured (session 59, AMD
+"""Bytes of RSS per fully trained value and CPU stream beyond `HEAP_BYTES`' count: the freed
+buffers of its gradient and update a full fine-tune's step leaves in the heap; on two CPU
+streams each computes its own float32 gradient of every trained value
+(`cpu_streams.make_stream_step`), and each one's freed buffers stay. Measured (session 59, AMD
 EPYC, 2 cores, load 4): SmolLM2-135M's full fine-tune at 1 x 256 (134.5 M values) peaked at
 2,845 MiB of RSS, 53 over the rest of its count (2,792), 0.4 bytes a value; the Llama-3.2-1B
 shape's --full.layers 2 (121.6 M values) at 1 x 512 --grad-checkpoint 4 under (session 58's
-peak RSS of 3,220 MiB; session 59's 3,150 and 3,157 in two runs: estimated 3,340)."""
+peak RSS of 3,220 MiB; session 59's 3,150 and 3,157 in two runs: estimated 3,340). Session 60
+(`/usr/bin/time -v`, load 3.5-6): SmolLM2's full 2 x 256, 4 steps, held 287 MiB of RSS above
+MLX's peak on one stream (`--cpu-streams 1`: 3,478 against 3,191) and 441 on two (3,970
+against 3,529): the second stream 154 MiB more where the tokens a stream runs (half) count 55
+less, 1.6 bytes a trained value. Counted once a run until session 60: the two-stream step
+estimated 3,960 MiB against 3,939-3,976 (session 59, 6 runs) and 3,970; now 4,088."""
 ADAPTER_TRAINED_BYTES = 16
 """Bytes an adapter value takes while it trains: itself, its gradient and AdamW's two moments,
 float32 (the base does not hold it)."""
@@ -366,7 +374,7 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
                    and tensor_route(g, name, held, train) == "blocks"), default=0)
     decoded = max(min(largest, ops.decode_slice or largest) * DECODED_COPIES,
                   experts * EXPERT_DECODED_COPIES) * 4 * streams
-    return Estimate(base, trained, acts, logits, decoded, runtime_bytes(a, share, n))
+    return Estimate(base, trained, acts, logits, decoded, runtime_bytes(a, share, n, streams))
 
 
 def block_values(g: GGUFFile, blocks: range) -> int:
@@ -375,13 +383,13 @@ def block_values(g: GGUFFile, blocks: range) -> int:
                 for i in blocks), default=0)
 
 
-def runtime_bytes(a: LlamaArgs, share: int, trained: int = 0) -> int:
+def runtime_bytes(a: LlamaArgs, share: int, trained: int = 0, streams: int = 1) -> int:
     """What a run of the model `a` holds beyond MLX's arrays at its peak, its steps running
-    `share` tokens on each CPU stream and fully training `trained` values: `RUNTIME_BYTES`, the
-    tokenizer's `TOKENIZER_BYTES` a vocabulary token, `HEAP_BYTES` a block, unit of width and
-    token and `FULL_HEAP_BYTES` a trained value."""
+    `share` tokens on each of `streams` CPU streams and fully training `trained` values:
+    `RUNTIME_BYTES`, the tokenizer's `TOKENIZER_BYTES` a vocabulary token, `HEAP_BYTES` a
+    block, unit of width and token and `FULL_HEAP_BYTES` a trained value and stream."""
     return (RUNTIME_BYTES + TOKENIZER_BYTES * a.vocab_size
-            + HEAP_BYTES * a.n_layers * a.d_model * share + FULL_HEAP_BYTES * trained)
+            + HEAP_BYTES * a.n_layers * a.d_model * share + FULL_HEAP_BYTES * trained * streams)
 
 
 def step_streams(requested: int, batch_size: int) -> int:
