@@ -19,8 +19,10 @@ The estimate adds, in bytes:
   keeps that projection's input.
 - logits: a trained head's chunk of `toymlx.models.losses.logits_chunk` tokens x vocabulary,
   `LOGITS_COPIES` float32 copies (the logits, the cross-entropy's temporaries and their
-  gradients); a frozen head's slice of rows (`toymlx.models.losses.head_slices`), its logits and
-  weights; each CPU stream the step runs on its own, for its share of the tokens.
+  gradients), and the head's float32 weight gradient of every chunk beyond the trained values'
+  gradient that `trained` counts (`head_chunk_gradients`); a frozen head's slice of rows
+  (`toymlx.models.losses.head_slices`), its logits and weights; each CPU stream the step runs
+  on its own, for its share of the tokens.
 - decoded: a block-held base's float weights, decoded where used: the largest block-held
   matrix of a block whole, or `Ops.decode_slice` values of it, `DECODED_COPIES` float32 copies;
   or a mixture of experts' largest 3-D expert tensor whole, `EXPERT_DECODED_COPIES` copies;
@@ -361,7 +363,8 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
     share = tokens // streams  # each CPU stream runs its share of the batch, and its loss
     if full and not layers:  # a trained head: a chunk of tokens' logits at a time
         chunk = logits_chunk(a.vocab_size, ops.logits_values)
-        logits = min(share, chunk) * a.vocab_size * 4 * LOGITS_COPIES * streams
+        logits = (min(share, chunk) * a.vocab_size * 4 * LOGITS_COPIES
+                  + head_chunk_gradients(a, share, chunk, n)) * streams
     else:  # a frozen head: a slice of its rows at a time (`head_slices`): its logits, their
         # softmax and gradient (HEAD_LOGITS_COPIES), and its weights decoded (and cast)
         (lo, hi), = head_slices(a.vocab_size, share, a.d_model, ops.logits_values)[:1]
@@ -375,6 +378,19 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
     decoded = max(min(largest, ops.decode_slice or largest) * DECODED_COPIES,
                   experts * EXPERT_DECODED_COPIES) * 4 * streams
     return Estimate(base, trained, acts, logits, decoded, runtime_bytes(a, share, n, streams))
+
+
+def head_chunk_gradients(a: LlamaArgs, share: int, chunk: int, trained: int) -> int:
+    """Bytes a trained head's loss holds beyond the `trained` values' float32 gradient, on one
+    CPU stream running `share` tokens: each `chunk` of tokens' logits
+    (`toymlx.models.losses.masked_ce`) gives the head its own vocabulary x width float32
+    gradient, all of them alive until they are summed, at the start of the backward pass
+    before any block's gradient exists. Measured (session 60, AMD EPYC, 2 cores, load 4-6;
+    MLX's peak, MiB): SmolLM2-135M's full fine-tune on one stream at 1 x 256 (4 chunks of 64
+    tokens, 432 MiB of them under its 513 MiB gradient) 2,561, at 2 x 256 (8 chunks) 3,191,
+    at 2 x 256 in 16 chunks of 32 tokens 4,002: 101 MiB a chunk, the head's gradient 108 MiB;
+    estimated 2,927 and 2,831 without these."""
+    return max(0, -(-share // chunk) * a.vocab_size * a.d_model * 4 - trained * 4)
 
 
 def block_values(g: GGUFFile, blocks: range) -> int:
