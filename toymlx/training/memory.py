@@ -28,8 +28,8 @@ The estimate adds, in bytes:
   or a mixture of experts' largest 3-D expert tensor whole, `EXPERT_DECODED_COPIES` copies;
   each CPU stream the step runs on decodes its own (`step_streams`).
 - runtime: Python, MLX and the data (`RUNTIME_BYTES`), the tokenizer (`TOKENIZER_BYTES` a
-  vocabulary token) and the heap kept beyond MLX's arrays (`HEAP_BYTES` a block, unit of width
-  and token a CPU stream runs, `FULL_HEAP_BYTES` a fully trained value and CPU stream:
+  vocabulary token) and the heap kept beyond MLX's arrays (`HEAP_BYTES` a unit of width and
+  token a CPU stream runs, `FULL_HEAP_BYTES` a fully trained value and CPU stream:
   `runtime_bytes`).
 It is an estimate, written to refuse runs that cannot fit, not to predict a peak to the MB.
 """
@@ -63,22 +63,25 @@ TOKENIZER_BYTES = 1024
 """Bytes a run holds per vocabulary token for the tokenizer and the header's token lists
 (`Tokenizer.from_metadata`; measured: 33 MiB for SmolLM2's 49,152 tokens, 101 for Qwen2's
 151,936, 234 for Gemma 4's 262,144)."""
-HEAP_BYTES = 13
-"""Bytes of RSS per block, unit of width and token of one CPU stream's share of the batch
-(`n_layers * d_model * batch_size * seq_len / streams`) beyond the other parts' count: the heap
-glibc and MLX's cache keep above what is in use (a step's freed buffers stay with the process,
-`toymlx.backend.device.tune_malloc`, bounded to a step's transient memory) and MLX's peak beyond
-the other parts' count. Measured (session 59, AMD EPYC, 2 cores shared, load 3-8; peak RSS of
-`toymlx-train --recipe lora` under /usr/bin/time -v, LoRA rank 8, less the estimate's other
-parts, MiB): SmolLM2-135M (30 x 576), q, at 1 x 256 0 (float32 base) and 31 (in blocks), at
-4 x 256 (two streams of 512 tokens) 50 and 71; the Llama-3.2-1B shape (16 x 2048), q,v, at
-1 x 512 --grad-checkpoint 165 (float32) and 168 (blocks), 204 for --full.layers 2 (session 58);
-the 8B (32 x 4096) the same way 817 (session 56). Counted: 55, 110, 208, 208 and 832 MiB.
-Which buffers these are is not pinned down, nor why a stream's share of the tokens fits where
-the whole batch's would not (4 x 256 on two streams kept less than twice 1 x 256's). Until
-session 59 it was 6.5 KiB a block and width whatever the tokens (13 bytes at 512 tokens):
-SmolLM2's LoRA q 1 x 256 step estimated 12% over its peak RSS (1,045 against 935 MiB), 14% held
-in blocks (634 against 555); now 6% and 4%, its 4 x 256 and the 512-token runs as they were."""
+HEAP_BYTES = 256
+"""Bytes of RSS per unit of width and token of one CPU stream's share of the batch
+(`d_model * batch_size * seq_len / streams`), whatever the blocks, beyond the other parts'
+count: the heap glibc and MLX's cache keep above what is in use (a step's freed buffers stay
+with the process, `toymlx.backend.device.tune_malloc`, bounded to a step's transient memory)
+and MLX's peak beyond the other parts' count. A block's transient arrays (its recomputed or
+cotangent d- and ffn-wide values, its attention's) are freed and the same sizes allocated
+again by the next block, so the heap keeps about one block's worth, not one per block: 64
+d-wide float32 arrays a token. Measured (peak RSS of `toymlx-train --recipe lora` under
+/usr/bin/time -v, LoRA rank 8, less the estimate's other parts, bytes a unit of width and
+token; AMD EPYC, 2 cores shared, load 3-8): session 59, SmolLM2-135M (30 x 576), q, at
+1 x 256 2 (float32 base) and 235 (in blocks), at 4 x 256 (two streams of 512 tokens) 189 and
+252, 8 x 128 144; the Llama-3.2-1B shape (16 x 2048), q,v, at 1 x 512 --grad-checkpoint 165
+(float32) and 168 (blocks); session 60, the Llama-3.2-3B shape (28 x 3072) the same way 117
+(peak RSS 2,643 MiB, MLX's peak 2,231) and the Llama-3.1-8B shape (32 x 4096) 105 (5,519
+MiB, MLX 5,040). Until session 60 it was 13 bytes a block, unit of width and token, fitted
+on the 8B shape's step of session 56 (817 MiB, 13 bytes): the 3B's step was estimated 14%
+over its peak RSS (3,014 MiB against 2,643), the 8B's 11% (6,140 against 5,519); now 8% and
+5%. Which buffers they are is not pinned down."""
 FULL_HEAP_BYTES = 1
 """Bytes of RSS per fully trained value and CPU stream beyond `HEAP_BYTES`' count: the freed
 buffers of its gradient and update a full fine-tune's step leaves in the heap; on two CPU
@@ -402,10 +405,10 @@ def block_values(g: GGUFFile, blocks: range) -> int:
 def runtime_bytes(a: LlamaArgs, share: int, trained: int = 0, streams: int = 1) -> int:
     """What a run of the model `a` holds beyond MLX's arrays at its peak, its steps running
     `share` tokens on each of `streams` CPU streams and fully training `trained` values:
-    `RUNTIME_BYTES`, the tokenizer's `TOKENIZER_BYTES` a vocabulary token, `HEAP_BYTES` a
-    block, unit of width and token and `FULL_HEAP_BYTES` a trained value and stream."""
+    `RUNTIME_BYTES`, the tokenizer's `TOKENIZER_BYTES` a vocabulary token, `HEAP_BYTES` a unit
+    of width and token and `FULL_HEAP_BYTES` a trained value and stream."""
     return (RUNTIME_BYTES + TOKENIZER_BYTES * a.vocab_size
-            + HEAP_BYTES * a.n_layers * a.d_model * share + FULL_HEAP_BYTES * trained * streams)
+            + HEAP_BYTES * a.d_model * share + FULL_HEAP_BYTES * trained * streams)
 
 
 def step_streams(requested: int, batch_size: int) -> int:
