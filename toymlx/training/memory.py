@@ -68,10 +68,11 @@ HEAP_BYTES = 256
 (`d_model * batch_size * seq_len / streams`), whatever the blocks, beyond the other parts'
 count: the heap glibc and MLX's cache keep above what is in use (a step's freed buffers stay
 with the process, `toymlx.backend.device.tune_malloc`, bounded to a step's transient memory)
-and MLX's peak beyond the other parts' count. A block's transient arrays (its recomputed or
-cotangent d- and ffn-wide values, its attention's) are freed and the same sizes allocated
-again by the next block, so the heap keeps about one block's worth, not one per block: 64
-d-wide float32 arrays a token. Measured (peak RSS of `toymlx-train --recipe lora` under
+and MLX's peak beyond the other parts' count. It does not grow with the blocks (the 28- and
+32-block shapes kept fewer bytes a unit of width and token than the 16-block one): a block's
+transient arrays (its recomputed or cotangent d- and ffn-wide values, its attention's) are
+freed and the same sizes allocated again by the next block, so the heap keeps about one
+block's worth, not one per block; 256 bytes are 64 d-wide float32 arrays a token. Measured (peak RSS of `toymlx-train --recipe lora` under
 /usr/bin/time -v, LoRA rank 8, less the estimate's other parts, bytes a unit of width and
 token; AMD EPYC, 2 cores shared, load 3-8): session 59, SmolLM2-135M (30 x 576), q, at
 1 x 256 2 (float32 base) and 235 (in blocks), at 4 x 256 (two streams of 512 tokens) 189 and
@@ -93,9 +94,9 @@ shape's --full.layers 2 (121.6 M values) at 1 x 512 --grad-checkpoint 4 under (s
 peak RSS of 3,220 MiB; session 59's 3,150 and 3,157 in two runs: estimated 3,340). Session 60
 (`/usr/bin/time -v`, load 3.5-6): SmolLM2's full 2 x 256, 4 steps, held 287 MiB of RSS above
 MLX's peak on one stream (`--cpu-streams 1`: 3,478 against 3,191) and 441 on two (3,970
-against 3,529): the second stream 154 MiB more where the tokens a stream runs (half) count 55
-less, 1.6 bytes a trained value. Counted once a run until session 60: the two-stream step
-estimated 3,960 MiB against 3,939-3,976 (session 59, 6 runs) and 3,970; now 4,088."""
+against 3,529): the second stream 154 MiB more where the tokens a stream runs (half) count 36
+less, 1.5 bytes a trained value. Counted once a run until session 60: the two-stream step
+estimated 3,960 MiB against 3,939-3,976 (session 59, 6 runs) and 3,970; now 4,069."""
 ADAPTER_TRAINED_BYTES = 16
 """Bytes an adapter value takes while it trains: itself, its gradient and AdamW's two moments,
 float32 (the base does not hold it)."""
