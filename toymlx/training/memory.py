@@ -78,10 +78,10 @@ token; AMD EPYC, 2 cores shared, load 3-8): session 59, SmolLM2-135M (30 x 576),
 1 x 256 2 (float32 base) and 235 (in blocks), at 4 x 256 (two streams of 512 tokens) 189 and
 252, 8 x 128 144; the Llama-3.2-1B shape (16 x 2048), q,v, at 1 x 512 --grad-checkpoint 165
 (float32) and 168 (blocks); session 60, the Llama-3.2-3B shape (28 x 3072) the same way 117
-(peak RSS 2,643 MiB, MLX's peak 2,231) and the Llama-3.1-8B shape (32 x 4096) 105 (5,519
-MiB, MLX 5,040). Until session 60 it was 13 bytes a block, unit of width and token, fitted
+(peak RSS 2,643 MiB, MLX's peak 2,231) and the Llama-3.1-8B shape (32 x 4096) 105 (5,521
+MiB, MLX 5,043). Until session 60 it was 13 bytes a block, unit of width and token, fitted
 on the 8B shape's step of session 56 (817 MiB, 13 bytes): the 3B's step was estimated 14%
-over its peak RSS (3,014 MiB against 2,643), the 8B's 11% (6,140 against 5,519); now 8% and
+over its peak RSS (3,014 MiB against 2,643), the 8B's 11% (6,140 against 5,521); now 8% and
 5%. Which buffers they are is not pinned down."""
 FULL_HEAP_BYTES = 1
 """Bytes of RSS per fully trained value and CPU stream beyond `HEAP_BYTES`' count: the freed
