@@ -216,6 +216,24 @@ def test_dtype_q4_k_m_from_the_q4_1_base(work):
     quantize(work["f32"], base_q, "Q4_K_M")
     f = check_fused(work, work["q4_1"], work["run_q4_1"], "q4_k_m", "Q4_K_M", base_q)
     assert f["types"] == _type_counts(base_q)
+    # docs/LORA.md's fallbacks, as the file holds them: SmolLM2's 576-wide rows are no multiple
+    # of 256, so Q4_K_M's k-quants are in ffn_down alone (1,536-wide rows), every other matrix
+    # in a 32-value block type: Q4_K's fallback Q5_0, and Q6_K's Q8_0 for the tied token table
+    # and the v that Q4_K_M gives more bits (blocks 0-2, 5, 8, ... 26 and the last 3)
+    more = {0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29}
+    fused = GGUFFile(work["dir"] / f"{work['q4_1'].stem}-q4_k_m.gguf")  # check_fused's file
+    types = {n: t.type.name for n, t in fused.tensors.items()}
+    want = {"token_embd.weight": "Q8_0", "output_norm.weight": "F32"}
+    for i in range(30):
+        want.update({f"blk.{i}.{n}.weight": "Q5_0" for n in
+                     ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")})
+        want.update({f"blk.{i}.attn_norm.weight": "F32", f"blk.{i}.ffn_norm.weight": "F32",
+                     f"blk.{i}.attn_v.weight": "Q8_0" if i in more else "Q5_0",
+                     f"blk.{i}.ffn_down.weight": "Q6_K" if i in more else "Q4_K"})
+    assert types == want
+    assert f["types"] == {"F32": 61, "Q4_K": 16, "Q5_0": 166, "Q6_K": 14, "Q8_0": 15}
+    # 100.6 MiB, 1.07x the Q4_1 base's 93.8
+    assert (round(f["bytes"] / 2**20, 1), round(f["base_bytes"] / 2**20, 1)) == (100.6, 93.8)
     # another grid than the base's: the change survives under the noise, and the line says so
     assert f["along"] > 0.9, f
 

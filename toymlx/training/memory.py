@@ -19,15 +19,18 @@ The estimate adds, in bytes:
   keeps that projection's input.
 - logits: a trained head's chunk of `toymlx.models.losses.logits_chunk` tokens x vocabulary,
   `LOGITS_COPIES` float32 copies (the logits, the cross-entropy's temporaries and their
-  gradients); a frozen head's slice of rows (`toymlx.models.losses.head_slices`), its logits and
-  weights; each CPU stream the step runs on its own, for its share of the tokens.
+  gradients), and the head's float32 weight gradient of every chunk beyond the trained values'
+  gradient that `trained` counts (`head_chunk_gradients`); a frozen head's slice of rows
+  (`toymlx.models.losses.head_slices`), its logits and weights; each CPU stream the step runs
+  on its own, for its share of the tokens.
 - decoded: a block-held base's float weights, decoded where used: the largest block-held
   matrix of a block whole, or `Ops.decode_slice` values of it, `DECODED_COPIES` float32 copies;
   or a mixture of experts' largest 3-D expert tensor whole, `EXPERT_DECODED_COPIES` copies;
   each CPU stream the step runs on decodes its own (`step_streams`).
 - runtime: Python, MLX and the data (`RUNTIME_BYTES`), the tokenizer (`TOKENIZER_BYTES` a
-  vocabulary token) and the heap kept beyond MLX's arrays (`HEAP_BYTES` a block, unit of width
-  and token a CPU stream runs, `FULL_HEAP_BYTES` a fully trained value: `runtime_bytes`).
+  vocabulary token) and the heap kept beyond MLX's arrays (`HEAP_BYTES` a unit of width and
+  token a CPU stream runs, `FULL_HEAP_BYTES` a fully trained value and CPU stream:
+  `runtime_bytes`).
 It is an estimate, written to refuse runs that cannot fit, not to predict a peak to the MB.
 """
 
@@ -60,29 +63,40 @@ TOKENIZER_BYTES = 1024
 """Bytes a run holds per vocabulary token for the tokenizer and the header's token lists
 (`Tokenizer.from_metadata`; measured: 33 MiB for SmolLM2's 49,152 tokens, 101 for Qwen2's
 151,936, 234 for Gemma 4's 262,144)."""
-HEAP_BYTES = 13
-"""Bytes of RSS per block, unit of width and token of one CPU stream's share of the batch
-(`n_layers * d_model * batch_size * seq_len / streams`) beyond the other parts' count: the heap
-glibc and MLX's cache keep above what is in use (a step's freed buffers stay with the process,
-`toymlx.backend.device.tune_malloc`, bounded to a step's transient memory) and MLX's peak beyond
-the other parts' count. Measured (session 59, AMD EPYC, 2 cores shared, load 3-8; peak RSS of
-`toymlx-train --recipe lora` under /usr/bin/time -v, LoRA rank 8, less the estimate's other
-parts, MiB): SmolLM2-135M (30 x 576), q, at 1 x 256 0 (float32 base) and 31 (in blocks), at
-4 x 256 (two streams of 512 tokens) 50 and 71; the Llama-3.2-1B shape (16 x 2048), q,v, at
-1 x 512 --grad-checkpoint 165 (float32) and 168 (blocks), 204 for --full.layers 2 (session 58);
-the 8B (32 x 4096) the same way 817 (session 56). Counted: 55, 110, 208, 208 and 832 MiB.
-Which buffers these are is not pinned down, nor why a stream's share of the tokens fits where
-the whole batch's would not (4 x 256 on two streams kept less than twice 1 x 256's). Until
-session 59 it was 6.5 KiB a block and width whatever the tokens (13 bytes at 512 tokens):
-SmolLM2's LoRA q 1 x 256 step estimated 12% over its peak RSS (1,045 against 935 MiB), 14% held
-in blocks (634 against 555); now 6% and 4%, its 4 x 256 and the 512-token runs as they were."""
+HEAP_BYTES = 256
+"""Bytes of RSS per unit of width and token of one CPU stream's share of the batch
+(`d_model * batch_size * seq_len / streams`), whatever the blocks, beyond the other parts'
+count: the heap glibc and MLX's cache keep above what is in use (a step's freed buffers stay
+with the process, `toymlx.backend.device.tune_malloc`, bounded to a step's transient memory)
+and MLX's peak beyond the other parts' count. It does not grow with the blocks (the 28- and
+32-block shapes kept fewer bytes a unit of width and token than the 16-block one): a block's
+transient arrays (its recomputed or cotangent d- and ffn-wide values, its attention's) are
+freed and the same sizes allocated again by the next block, so the heap keeps about one
+block's worth, not one per block; 256 bytes are 64 d-wide float32 arrays a token. Measured (peak RSS of `toymlx-train --recipe lora` under
+/usr/bin/time -v, LoRA rank 8, less the estimate's other parts, bytes a unit of width and
+token; AMD EPYC, 2 cores shared, load 3-8): session 59, SmolLM2-135M (30 x 576), q, at
+1 x 256 2 (float32 base) and 235 (in blocks), at 4 x 256 (two streams of 512 tokens) 189 and
+252, 8 x 128 144; the Llama-3.2-1B shape (16 x 2048), q,v, at 1 x 512 --grad-checkpoint 165
+(float32) and 168 (blocks); session 60, the Llama-3.2-3B shape (28 x 3072) the same way 117
+(peak RSS 2,643 MiB, MLX's peak 2,231) and the Llama-3.1-8B shape (32 x 4096) 105 (5,521
+MiB, MLX 5,043). Until session 60 it was 13 bytes a block, unit of width and token, fitted
+on the 8B shape's step of session 56 (817 MiB, 13 bytes): the 3B's step was estimated 14%
+over its peak RSS (3,014 MiB against 2,643), the 8B's 11% (6,140 against 5,521); now 8% and
+5%. Which buffers they are is not pinned down."""
 FULL_HEAP_BYTES = 1
-"""Bytes of RSS per fully trained value beyond `HEAP_BYTES`' count: the freed buffers of its
-gradient and update a full fine-tune's step leaves in the heap. Measured (session 59, AMD
+"""Bytes of RSS per fully trained value and CPU stream beyond `HEAP_BYTES`' count: the freed
+buffers of its gradient and update a full fine-tune's step leaves in the heap; on two CPU
+streams each computes its own float32 gradient of every trained value
+(`cpu_streams.make_stream_step`), and each one's freed buffers stay. Measured (session 59, AMD
 EPYC, 2 cores, load 4): SmolLM2-135M's full fine-tune at 1 x 256 (134.5 M values) peaked at
 2,845 MiB of RSS, 53 over the rest of its count (2,792), 0.4 bytes a value; the Llama-3.2-1B
 shape's --full.layers 2 (121.6 M values) at 1 x 512 --grad-checkpoint 4 under (session 58's
-peak RSS of 3,220 MiB; session 59's 3,150 and 3,157 in two runs: estimated 3,340)."""
+peak RSS of 3,220 MiB; session 59's 3,150 and 3,157 in two runs: estimated 3,340). Session 60
+(`/usr/bin/time -v`, load 3.5-6): SmolLM2's full 2 x 256, 4 steps, held 287 MiB of RSS above
+MLX's peak on one stream (`--cpu-streams 1`: 3,478 against 3,191) and 441 on two (3,970
+against 3,529): the second stream 154 MiB more where the tokens a stream runs (half) count 36
+less, 1.5 bytes a trained value. Counted once a run until session 60: the two-stream step
+estimated 3,960 MiB against 3,939-3,976 (session 59, 6 runs) and 3,970; now 4,069."""
 ADAPTER_TRAINED_BYTES = 16
 """Bytes an adapter value takes while it trains: itself, its gradient and AdamW's two moments,
 float32 (the base does not hold it)."""
@@ -353,7 +367,8 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
     share = tokens // streams  # each CPU stream runs its share of the batch, and its loss
     if full and not layers:  # a trained head: a chunk of tokens' logits at a time
         chunk = logits_chunk(a.vocab_size, ops.logits_values)
-        logits = min(share, chunk) * a.vocab_size * 4 * LOGITS_COPIES * streams
+        logits = (min(share, chunk) * a.vocab_size * 4 * LOGITS_COPIES
+                  + head_chunk_gradients(a, share, chunk, n)) * streams
     else:  # a frozen head: a slice of its rows at a time (`head_slices`): its logits, their
         # softmax and gradient (HEAD_LOGITS_COPIES), and its weights decoded (and cast)
         (lo, hi), = head_slices(a.vocab_size, share, a.d_model, ops.logits_values)[:1]
@@ -366,7 +381,20 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
                    and tensor_route(g, name, held, train) == "blocks"), default=0)
     decoded = max(min(largest, ops.decode_slice or largest) * DECODED_COPIES,
                   experts * EXPERT_DECODED_COPIES) * 4 * streams
-    return Estimate(base, trained, acts, logits, decoded, runtime_bytes(a, share, n))
+    return Estimate(base, trained, acts, logits, decoded, runtime_bytes(a, share, n, streams))
+
+
+def head_chunk_gradients(a: LlamaArgs, share: int, chunk: int, trained: int) -> int:
+    """Bytes a trained head's loss holds beyond the `trained` values' float32 gradient, on one
+    CPU stream running `share` tokens: each `chunk` of tokens' logits
+    (`toymlx.models.losses.masked_ce`) gives the head its own vocabulary x width float32
+    gradient, all of them alive until they are summed, at the start of the backward pass
+    before any block's gradient exists. Measured (session 60, AMD EPYC, 2 cores, load 4-6;
+    MLX's peak, MiB): SmolLM2-135M's full fine-tune on one stream at 1 x 256 (4 chunks of 64
+    tokens, 432 MiB of them under its 513 MiB gradient) 2,561, at 2 x 256 (8 chunks) 3,191,
+    at 2 x 256 in 16 chunks of 32 tokens 4,002: 101 MiB a chunk, the head's gradient 108 MiB;
+    estimated 2,927 and 2,831 without these."""
+    return max(0, -(-share // chunk) * a.vocab_size * a.d_model * 4 - trained * 4)
 
 
 def block_values(g: GGUFFile, blocks: range) -> int:
@@ -375,13 +403,13 @@ def block_values(g: GGUFFile, blocks: range) -> int:
                 for i in blocks), default=0)
 
 
-def runtime_bytes(a: LlamaArgs, share: int, trained: int = 0) -> int:
+def runtime_bytes(a: LlamaArgs, share: int, trained: int = 0, streams: int = 1) -> int:
     """What a run of the model `a` holds beyond MLX's arrays at its peak, its steps running
-    `share` tokens on each CPU stream and fully training `trained` values: `RUNTIME_BYTES`, the
-    tokenizer's `TOKENIZER_BYTES` a vocabulary token, `HEAP_BYTES` a block, unit of width and
-    token and `FULL_HEAP_BYTES` a trained value."""
+    `share` tokens on each of `streams` CPU streams and fully training `trained` values:
+    `RUNTIME_BYTES`, the tokenizer's `TOKENIZER_BYTES` a vocabulary token, `HEAP_BYTES` a unit
+    of width and token and `FULL_HEAP_BYTES` a trained value and stream."""
     return (RUNTIME_BYTES + TOKENIZER_BYTES * a.vocab_size
-            + HEAP_BYTES * a.n_layers * a.d_model * share + FULL_HEAP_BYTES * trained)
+            + HEAP_BYTES * a.d_model * share + FULL_HEAP_BYTES * trained * streams)
 
 
 def step_streams(requested: int, batch_size: int) -> int:
