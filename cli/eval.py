@@ -124,32 +124,34 @@ PROG = "toymlx-eval"
 
 @console_command("toymlx-eval")
 def main(argv: list[str] | None = None) -> int:
-    from toymlx_cli.config_file import file_words, given_file_keys, option_table
+    from toymlx_cli.config_file import given_file_keys
     from toymlx_cli.usage import flag_as_typed
 
     argv = sys.argv[1:] if argv is None else argv
     typed = flag_as_typed(argv, Args, "max_examples")
 
     def run(args: Args) -> int:  # the -c file read (`run_command`): its key as it spells it
-        key = given_file_keys(Args, argv)[1].get("--max-examples")
-        in_file = key and file_words(f"--{key}", option_table(Args))
-        args.max_examples_flag = typed or in_file or args.max_examples_flag
-        return show(args)
+        path, keys = given_file_keys(Args, argv)
+        args.max_examples_flag = typed or keys.get("--max-examples", args.max_examples_flag)
+        return show(args, path, keys)
 
     return run_command(PROG, Args, run, argv, outputs=("plot",))
 
 
-def show(args: Args) -> int:
-    """Evaluate and print: the text report (a ViT), or JSON."""
-    check_sizes(args)
+def show(args: Args, config: str | None = None, keys: dict[str, str] | None = None) -> int:
+    """Evaluate and print: the text report (a ViT), or JSON. `config`, `keys`: the -c file and
+    the options it sets, as `given_file_keys` reads them."""
+    check_sizes(args, config, keys or {})
     out = evaluate(args)
     text = out.pop("text", None)
     print(text if text is not None and not args.json else json.dumps(json_safe(out)))
     return 0
 
 
-def check_sizes(args: Args) -> None:
-    """--batch-size and --seq-len are counts: 0 or less is a typo, never "the default"."""
+def check_sizes(args: Args, config: str | None = None, keys: dict[str, str] | None = None
+                ) -> None:
+    """--batch-size and --seq-len are counts: 0 or less is a typo, never "the default". `config`
+    and `keys`: the -c file and {flag: its key} of the options it sets (`given_file_keys`)."""
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size: expected >= 1 examples per forward pass, found "
                          f"{args.batch_size}")
@@ -157,10 +159,7 @@ def check_sizes(args: Args) -> None:
         raise ValueError(f"--eval-batches: expected >= 1 batches, or -1 (every validation row), "
                          f"found {args.eval_batches}")
     if args.eval_batches is not None and args.max_examples is not None:
-        flag = args.max_examples_flag
-        raise ValueError(f"--eval-batches {args.eval_batches} {flag} {args.max_examples}: "
-                         f"expected one of them ({flag} scores the first N of the whole split); "
-                         "drop one")
+        raise ValueError(subset_conflict(args, config, keys or {}))
     if args.data_pack and args.data_no_pack:
         raise ValueError("--data.pack, --data.no-pack: expected one of them, got both")
     if args.data_mask_prompt and args.data_no_mask_prompt:
@@ -175,6 +174,25 @@ def check_sizes(args: Args) -> None:
             "--max-examples"
         raise ValueError(f"{flag}: expected >= 1 examples to score (or leave it out: the whole "
                          f"split), found {args.max_examples}")
+
+
+def subset_conflict(args: Args, config: str | None, keys: dict[str, str]) -> str:
+    """The line refusing --eval-batches with --max-examples, each named where it was given: a -c
+    file's key as the file spells it (`keys`, `given_file_keys`), after the file's name, else
+    the flag as typed (--limit)."""
+    given = [("--eval-batches", "--eval-batches", args.eval_batches),
+             ("--max-examples", args.max_examples_flag, args.max_examples)]
+    said = [f"{keys[f]!r} ({value})" if f in keys else f"{typed} {value}"
+            for f, typed, value in given]
+    rest = (f"expected one of them ({args.max_examples_flag} scores the first N of the whole "
+            "split); drop one")
+    in_file = [f for f, _, _ in given if f in keys]
+    if not in_file:
+        return f"{' '.join(said)}: {rest}"
+    if len(in_file) == 2:
+        return f"{config}: keys {said[0]} and {said[1]}: {rest}"
+    said = [f"key {one}" if f in keys else one for one, (f, _, _) in zip(said, given)]
+    return f"{config}: {said[0]} and {said[1]}: {rest}"
 
 
 def subset(limit: int | None, scored: int, total: int, split: str, unit: str,

@@ -846,6 +846,25 @@ def test_eval_batches_out_of_place_is_one_line(argv, said, capsys):
     assert capsys.readouterr().err == f"toymlx-eval: error: {said}\n"
 
 
+@pytest.mark.parametrize("text, argv, said, subset", [
+    ("eval_batches: 2\nlimit: 5\n", [], "keys 'eval_batches' (2) and 'limit' (5)", "limit"),
+    ("eval-batches: 2\nmax-examples: 5\n", [], "keys 'eval-batches' (2) and 'max-examples' (5)",
+     "max-examples"),
+    ("eval_batches: 2\n", ["--limit", "3"], "key 'eval_batches' (2) and --limit 3", "--limit"),
+    ("limit: 5\n", ["--eval-batches", "3"], "--eval-batches 3 and key 'limit' (5)", "limit"),
+])
+def test_eval_batches_and_limit_in_a_file_are_named_by_its_keys(text, argv, said, subset,
+                                                                 tmp_path, capsys):
+    """A -c file setting eval_batches and limit was refused as `--eval-batches 2 limit 5`, no
+    file named and one key a flag; now the file and each key as it spells it."""
+    f = tmp_path / "e.yaml"
+    f.write_text(text)
+    assert eval_main(["--model", "nowhere.gguf", "-c", str(f), *argv]) == 2
+    assert capsys.readouterr().err == (f"toymlx-eval: error: {f}: {said}: expected one of them "
+                                       f"({subset} scores the first N of the whole split); drop "
+                                       "one\n")
+
+
 def test_eval_batches_on_data_a_run_did_not_validate_is_one_line(
         tiny_gguf, tmp_path, capsys):  # noqa: F811
     text = tmp_path / "t.txt"
