@@ -909,6 +909,8 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     from toymlx.backend.files import counted
     from toymlx.data.chat import (
         SplitExamples,
+        blank_file,
+        data_files,
         empty_split_error,
         fitted_rows,
         held_out_call_rows,
@@ -987,10 +989,17 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
             raise empty_split_error(where, "test" if split == "test" else "validation", fit,
                                     seq_len)
         who = "the run held" if cfg is not None else "a run would hold"  # a GGUF of its own
+        fraction = data.get("val_fraction", 0.1)
+        valid = data_files(path or DEFAULT_DATA).valid
+        if valid is not None and blank_file(valid):  # taken as none at --data.val-fraction 0
+            raise ValueError(f"{valid}: --split val: expected validation rows to score, found "
+                             f"none: the file is empty, and {who} out no examples of {where} "
+                             f"(--data.val-fraction {fraction:g}); score them all with --split "
+                             "all")
         raise ValueError(f"{where}: --split val: expected validation rows to score, found "
-                         f"none: {who} out no examples (--data.val-fraction "
-                         f"{data.get('val_fraction', 0.1)} of {counted(trained, 'example')}, "
-                         f"no valid.jsonl); score them all with --split all")
+                         f"none: {who} out no examples (--data.val-fraction {fraction:g} of "
+                         f"{counted(trained, 'example')}, no valid.jsonl); score them all with "
+                         "--split all")
     if pick is None:
         bs = max(1, min(batch_size, n))
         batches = sft_val_batches(rows, bs, -(-n // bs))

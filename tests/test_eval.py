@@ -491,6 +491,25 @@ def test_split_val_of_examples_without_a_validation_file_says_which(
         "examples, no valid.jsonl); score them all with --split all")
 
 
+def test_split_val_of_a_run_whose_valid_jsonl_is_empty_says_it_is_empty(
+        tiny_gguf, tmp_path, capsys):  # noqa: F811
+    """A run of --data.val-fraction 0 on a folder whose valid.jsonl is empty (mlx-lm's meaning:
+    validate nothing) validated none; --split val said "no valid.jsonl" of a file that is there,
+    which led to looking for a missing file; now it says the file is empty."""
+    folder = mlx_lm_folder(tmp_path / "data", n_train=6, n_valid=0, n_test=0)
+    (folder / "valid.jsonl").write_text("")
+    assert train_main(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root",
+                       str(tmp_path), "--run-id", "e", "--steps", "1", "--batch-size", "2",
+                       "--seq-len", "32", "--data.val-fraction", "0", "--no-progress",
+                       "--no-compile", "--data.path", str(folder)]) == 0
+    capsys.readouterr()
+    assert eval_main(["--model", str(tmp_path / "e"), "--split", "val", "--no-progress"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"toymlx-eval: error: {folder / 'valid.jsonl'}: --split val: expected validation rows "
+        "to score, found none: the file is empty, and the run held out no examples of "
+        f"{folder / 'train.jsonl'} (--data.val-fraction 0); score them all with --split all")
+
+
 def test_examples_cut_at_seq_len_are_said(tmp_path, stories_path, capsys):
     """A GGUF of its own, one example a row: examples longer than --seq-len were cut, their
     ends left unscored, with nothing said (mlx-lm warns of sequences over its
