@@ -432,7 +432,13 @@ def check_run_data(bundle, split: str) -> None:
     `all`, every data path. A folder recorded without its files' own is checked whole; a
     split file the record leaves out (test.jsonl of a run of no --test, which never read it)
     is not checked; the data given with --data.path instead is scored as it is."""
-    from toymlx.bundle.inputs import DATA_FILES_KEY, changed_part, data_reads, same_data
+    from toymlx.bundle.inputs import (
+        DATA_FILES_KEY,
+        changed_part,
+        data_empty_as_none,
+        data_reads,
+        same_data,
+    )
     from toymlx.bundle.options import option
     from toymlx.data.chat import data_files, text_folder_files
 
@@ -471,10 +477,11 @@ def check_run_data(bundle, split: str) -> None:
             within = f" (in {path}, recorded as {key})"
         else:
             checked, within = path, f" ({key})"
-        reads = data_reads(bundle.config, key, checked)
-        same, now = same_data(checked, rec, reads)
+        reads, empty = data_reads(bundle.config, key, checked), data_empty_as_none(
+            bundle.config, key)
+        same, now = same_data(checked, rec, reads, empty)
         if not same:  # a folder: its first file changed, added or gone, where recorded
-            part = changed_part(checked, rec, bundle.data_index(key, rec), reads) \
+            part = changed_part(checked, rec, bundle.data_index(key, rec), reads, empty) \
                 if checked == path else None
             raise ValueError(f"{checked}: --split {split}: expected the {what}data the run "
                              f"recorded at its start{within}: {_digest(rec)}; found it "

@@ -786,6 +786,8 @@ SPLIT_NAMES = tuple(f"{split}{suffix}" for split in ("train", "valid", "test")
                     for suffix in SPLIT_SUFFIXES)
 """Every name a data folder's split file may have (`data_files`): the files of the folder a run
 may read, so its record of its data covers these alone (not a README.md beside them)."""
+VALID_NAMES = tuple(n for n in SPLIT_NAMES if n.startswith("valid."))
+"""The names a data folder's validation file may have (valid.jsonl, ...)."""
 
 
 def split_files_read(path: str | Path, test: bool) -> tuple[str, ...] | None:
