@@ -127,14 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     from toymlx_cli.config_file import given_file_keys
     from toymlx_cli.usage import flag_as_typed
 
-    argv = sys.argv[1:] if argv is None else argv
-    typed = flag_as_typed(argv, Args, "max_examples")
+    given = sys.argv[1:] if argv is None else argv
+    typed = flag_as_typed(given, Args, "max_examples")
 
     def run(args: Args) -> int:  # the -c file read (`run_command`): its key as it spells it
-        path, keys = given_file_keys(Args, argv)
+        path, keys = given_file_keys(Args, given)
         args.max_examples_flag = typed or keys.get("--max-examples", args.max_examples_flag)
         return show(args, path, keys)
 
+    # argv as given: None, the console script, sets up its streams and heap (`run_command`)
     return run_command(PROG, Args, run, argv, outputs=("plot",))
 
 

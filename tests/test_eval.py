@@ -79,6 +79,22 @@ def test_a_count_below_one_is_one_line(flag, value, capsys):
         f"the whole split), found {value}\n")
 
 
+def test_the_console_script_sets_up_its_streams_and_heap(monkeypatch):
+    """toymlx-eval's console script handed run_command sys.argv's list in place of None, so it
+    skipped what every console script does first (closed streams opened on os.devnull, stdout
+    escaping what it cannot encode, the heap on huge pages), which the other commands do."""
+    import toymlx_cli
+
+    from toymlx.backend import device
+
+    done = []
+    monkeypatch.setattr(toymlx_cli, "console_streams", lambda: done.append("streams"))
+    monkeypatch.setattr(device, "restart_with_huge_pages", lambda: done.append("heap"))
+    monkeypatch.setattr(sys, "argv", ["toymlx-eval", "--model", "nowhere.gguf"])
+    assert eval_main() == 2
+    assert done == ["streams", "heap"]
+
+
 @pytest.mark.parametrize("flag", ["--max-examples", "--limit", "--limit=2"])
 def test_the_subset_flag_is_named_as_typed(flag, capsys):
     """--limit (mlx_lm.evaluate's spelling) is named --limit back, not --max-examples, a flag the
