@@ -1861,9 +1861,9 @@ class SFTData:
         """The validation split's and --data.drop-tools' lines, then one console line per split
         whose examples were cut or left out (`Fit.note`); the test split's (its examples in the
         --data.drop-tools count too) only with `test` (when it is scored)."""
-        read = [split for split in self.tools_dropped if test or split != "test"]
-        source = str(self.source) + (f" + {self.test_source}" if "test" in read else "")
-        tools = tools_note(source, sum(self.tools_dropped[split] for split in read))
+        read = {k: n for k, n in self.tools_dropped.items() if test or k != "test"}
+        source = str(self.source) + (f" + {self.test_source}" if read.get("test") else "")
+        tools = tools_note(source, sum(read.values()))
         return [n for n in (self.val_note, tools) if n] + [
             line for split, fit in self.fits.items() if test or split != "test"
             if (line := fit.note(self.split_source(split), split, self.seq_len))]
