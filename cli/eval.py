@@ -1002,10 +1002,10 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
         if valid is not None and blank_file(valid):  # taken as none at --data.val-fraction 0
             raise ValueError(f"{valid}: --split val: expected validation rows to score, found "
                              f"none: the file is empty, and {who} out no examples of {where} "
-                             f"(--data.val-fraction {fraction:g}); score them all with --split "
+                             f"(--data.val-fraction {fraction}); score them all with --split "
                              "all")
         raise ValueError(f"{where}: --split val: expected validation rows to score, found "
-                         f"none: {who} out no examples (--data.val-fraction {fraction:g} of "
+                         f"none: {who} out no examples (--data.val-fraction {fraction} of "
                          f"{counted(trained, 'example')}, no valid.jsonl); score them all with "
                          "--split all")
     if pick is None:

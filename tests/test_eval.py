@@ -523,7 +523,7 @@ def test_split_val_of_a_run_whose_valid_jsonl_is_empty_says_it_is_empty(
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"toymlx-eval: error: {folder / 'valid.jsonl'}: --split val: expected validation rows "
         "to score, found none: the file is empty, and the run held out no examples of "
-        f"{folder / 'train.jsonl'} (--data.val-fraction 0); score them all with --split all")
+        f"{folder / 'train.jsonl'} (--data.val-fraction 0.0); score them all with --split all")
 
 
 def test_examples_cut_at_seq_len_are_said(tmp_path, stories_path, capsys):
