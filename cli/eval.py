@@ -124,32 +124,35 @@ PROG = "toymlx-eval"
 
 @console_command("toymlx-eval")
 def main(argv: list[str] | None = None) -> int:
-    from toymlx_cli.config_file import file_words, given_file_keys, option_table
+    from toymlx_cli.config_file import given_file_keys
     from toymlx_cli.usage import flag_as_typed
 
-    argv = sys.argv[1:] if argv is None else argv
-    typed = flag_as_typed(argv, Args, "max_examples")
+    given = sys.argv[1:] if argv is None else argv
+    typed = flag_as_typed(given, Args, "max_examples")
 
     def run(args: Args) -> int:  # the -c file read (`run_command`): its key as it spells it
-        key = given_file_keys(Args, argv)[1].get("--max-examples")
-        in_file = key and file_words(f"--{key}", option_table(Args))
-        args.max_examples_flag = typed or in_file or args.max_examples_flag
-        return show(args)
+        path, keys = given_file_keys(Args, given)
+        args.max_examples_flag = typed or keys.get("--max-examples", args.max_examples_flag)
+        return show(args, path, keys)
 
+    # argv as given: None, the console script, sets up its streams and heap (`run_command`)
     return run_command(PROG, Args, run, argv, outputs=("plot",))
 
 
-def show(args: Args) -> int:
-    """Evaluate and print: the text report (a ViT), or JSON."""
-    check_sizes(args)
+def show(args: Args, config: str | None = None, keys: dict[str, str] | None = None) -> int:
+    """Evaluate and print: the text report (a ViT), or JSON. `config`, `keys`: the -c file and
+    the options it sets, as `given_file_keys` reads them."""
+    check_sizes(args, config, keys or {})
     out = evaluate(args)
     text = out.pop("text", None)
     print(text if text is not None and not args.json else json.dumps(json_safe(out)))
     return 0
 
 
-def check_sizes(args: Args) -> None:
-    """--batch-size and --seq-len are counts: 0 or less is a typo, never "the default"."""
+def check_sizes(args: Args, config: str | None = None, keys: dict[str, str] | None = None
+                ) -> None:
+    """--batch-size and --seq-len are counts: 0 or less is a typo, never "the default". `config`
+    and `keys`: the -c file and {flag: its key} of the options it sets (`given_file_keys`)."""
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size: expected >= 1 examples per forward pass, found "
                          f"{args.batch_size}")
@@ -157,10 +160,7 @@ def check_sizes(args: Args) -> None:
         raise ValueError(f"--eval-batches: expected >= 1 batches, or -1 (every validation row), "
                          f"found {args.eval_batches}")
     if args.eval_batches is not None and args.max_examples is not None:
-        flag = args.max_examples_flag
-        raise ValueError(f"--eval-batches {args.eval_batches} {flag} {args.max_examples}: "
-                         f"expected one of them ({flag} scores the first N of the whole split); "
-                         "drop one")
+        raise ValueError(subset_conflict(args, config, keys or {}))
     if args.data_pack and args.data_no_pack:
         raise ValueError("--data.pack, --data.no-pack: expected one of them, got both")
     if args.data_mask_prompt and args.data_no_mask_prompt:
@@ -175,6 +175,25 @@ def check_sizes(args: Args) -> None:
             "--max-examples"
         raise ValueError(f"{flag}: expected >= 1 examples to score (or leave it out: the whole "
                          f"split), found {args.max_examples}")
+
+
+def subset_conflict(args: Args, config: str | None, keys: dict[str, str]) -> str:
+    """The line refusing --eval-batches with --max-examples, each named where it was given: a -c
+    file's key as the file spells it (`keys`, `given_file_keys`), after the file's name, else
+    the flag as typed (--limit)."""
+    given = [("--eval-batches", "--eval-batches", args.eval_batches),
+             ("--max-examples", args.max_examples_flag, args.max_examples)]
+    said = [f"{keys[f]!r} ({value})" if f in keys else f"{typed} {value}"
+            for f, typed, value in given]
+    rest = (f"expected one of them ({args.max_examples_flag} scores the first N of the whole "
+            "split); drop one")
+    in_file = [f for f, _, _ in given if f in keys]
+    if not in_file:
+        return f"{' '.join(said)}: {rest}"
+    if len(in_file) == 2:
+        return f"{config}: keys {said[0]} and {said[1]}: {rest}"
+    said = [f"key {one}" if f in keys else one for one, (f, _, _) in zip(said, given)]
+    return f"{config}: {said[0]} and {said[1]}: {rest}"
 
 
 def subset(limit: int | None, scored: int, total: int, split: str, unit: str,
@@ -414,7 +433,13 @@ def check_run_data(bundle, split: str) -> None:
     `all`, every data path. A folder recorded without its files' own is checked whole; a
     split file the record leaves out (test.jsonl of a run of no --test, which never read it)
     is not checked; the data given with --data.path instead is scored as it is."""
-    from toymlx.bundle.inputs import DATA_FILES_KEY, changed_part, data_reads, same_data
+    from toymlx.bundle.inputs import (
+        DATA_FILES_KEY,
+        changed_part,
+        data_empty_as_none,
+        data_reads,
+        same_data,
+    )
     from toymlx.bundle.options import option
     from toymlx.data.chat import data_files, text_folder_files
 
@@ -453,10 +478,11 @@ def check_run_data(bundle, split: str) -> None:
             within = f" (in {path}, recorded as {key})"
         else:
             checked, within = path, f" ({key})"
-        reads = data_reads(bundle.config, key, checked)
-        same, now = same_data(checked, rec, reads)
+        reads, empty = data_reads(bundle.config, key, checked), data_empty_as_none(
+            bundle.config, key)
+        same, now = same_data(checked, rec, reads, empty)
         if not same:  # a folder: its first file changed, added or gone, where recorded
-            part = changed_part(checked, rec, bundle.data_index(key, rec), reads) \
+            part = changed_part(checked, rec, bundle.data_index(key, rec), reads, empty) \
                 if checked == path else None
             raise ValueError(f"{checked}: --split {split}: expected the {what}data the run "
                              f"recorded at its start{within}: {_digest(rec)}; found it "
@@ -891,6 +917,8 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     from toymlx.backend.files import counted
     from toymlx.data.chat import (
         SplitExamples,
+        blank_file,
+        data_files,
         empty_split_error,
         fitted_rows,
         held_out_call_rows,
@@ -969,10 +997,17 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
             raise empty_split_error(where, "test" if split == "test" else "validation", fit,
                                     seq_len)
         who = "the run held" if cfg is not None else "a run would hold"  # a GGUF of its own
+        fraction = data.get("val_fraction", 0.1)
+        valid = data_files(path or DEFAULT_DATA).valid
+        if valid is not None and blank_file(valid):  # taken as none at --data.val-fraction 0
+            raise ValueError(f"{valid}: --split val: expected validation rows to score, found "
+                             f"none: the file is empty, and {who} out no examples of {where} "
+                             f"(--data.val-fraction {fraction}); score them all with --split "
+                             "all")
         raise ValueError(f"{where}: --split val: expected validation rows to score, found "
-                         f"none: {who} out no examples (--data.val-fraction "
-                         f"{data.get('val_fraction', 0.1)} of {counted(trained, 'example')}, "
-                         f"no valid.jsonl); score them all with --split all")
+                         f"none: {who} out no examples (--data.val-fraction {fraction} of "
+                         f"{counted(trained, 'example')}, no valid.jsonl); score them all with "
+                         "--split all")
     if pick is None:
         bs = max(1, min(batch_size, n))
         batches = sft_val_batches(rows, bs, -(-n // bs))

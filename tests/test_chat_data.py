@@ -1287,6 +1287,26 @@ def test_drop_tools_trains_what_a_record_without_tools_trains(tmp_path):
     assert want.notes() == []
 
 
+def test_drop_tools_counts_the_test_file_only_where_it_is_read(tmp_path):
+    """--data.drop-tools' line counted test.jsonl's examples in a run without --test, which
+    never scores them, under a name (train + valid) that left the file out; now only with
+    --test, naming it."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    rows = [json.dumps({"messages": [{"role": "user", "content": f"Weather {i}?"},
+                                     {"role": "assistant", "content": f"Sunny {i}."}],
+                        "tools": [tool]}) + "\n" for i in range(9)]
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for name, part in (("train", rows[:4]), ("valid", rows[4:6]), ("test", rows[6:])):
+        write(folder, f"{name}.jsonl", "".join(part))
+    data = SFTData.from_file(folder, FakeTokenizer(CHATML), seq_len=64, drop_tools=True)
+    said = '--data.drop-tools: the "tools" (function schemas) of {} examples left out, not ' \
+        "rendered by the chat template"
+    files = f'{folder / "train.jsonl"} + {folder / "valid.jsonl"}'
+    assert data.notes(test=False) == [f"{files}: {said.format(6)}"]
+    assert data.notes(test=True) == [f'{files} + {folder / "test.jsonl"}: {said.format(9)}']
+
+
 def test_tools_field_reaches_the_template(tmp_path):
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
     call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}

@@ -79,6 +79,22 @@ def test_a_count_below_one_is_one_line(flag, value, capsys):
         f"the whole split), found {value}\n")
 
 
+def test_the_console_script_sets_up_its_streams_and_heap(monkeypatch):
+    """toymlx-eval's console script handed run_command sys.argv's list in place of None, so it
+    skipped what every console script does first (closed streams opened on os.devnull, stdout
+    escaping what it cannot encode, the heap on huge pages), which the other commands do."""
+    import toymlx_cli
+
+    from toymlx.backend import device
+
+    done = []
+    monkeypatch.setattr(toymlx_cli, "console_streams", lambda: done.append("streams"))
+    monkeypatch.setattr(device, "restart_with_huge_pages", lambda: done.append("heap"))
+    monkeypatch.setattr(sys, "argv", ["toymlx-eval", "--model", "nowhere.gguf"])
+    assert eval_main() == 2
+    assert done == ["streams", "heap"]
+
+
 @pytest.mark.parametrize("flag", ["--max-examples", "--limit", "--limit=2"])
 def test_the_subset_flag_is_named_as_typed(flag, capsys):
     """--limit (mlx_lm.evaluate's spelling) is named --limit back, not --max-examples, a flag the
@@ -491,6 +507,25 @@ def test_split_val_of_examples_without_a_validation_file_says_which(
         "examples, no valid.jsonl); score them all with --split all")
 
 
+def test_split_val_of_a_run_whose_valid_jsonl_is_empty_says_it_is_empty(
+        tiny_gguf, tmp_path, capsys):  # noqa: F811
+    """A run of --data.val-fraction 0 on a folder whose valid.jsonl is empty (mlx-lm's meaning:
+    validate nothing) validated none; --split val said "no valid.jsonl" of a file that is there,
+    which led to looking for a missing file; now it says the file is empty."""
+    folder = mlx_lm_folder(tmp_path / "data", n_train=6, n_valid=0, n_test=0)
+    (folder / "valid.jsonl").write_text("")
+    assert train_main(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root",
+                       str(tmp_path), "--run-id", "e", "--steps", "1", "--batch-size", "2",
+                       "--seq-len", "32", "--data.val-fraction", "0", "--no-progress",
+                       "--no-compile", "--data.path", str(folder)]) == 0
+    capsys.readouterr()
+    assert eval_main(["--model", str(tmp_path / "e"), "--split", "val", "--no-progress"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"toymlx-eval: error: {folder / 'valid.jsonl'}: --split val: expected validation rows "
+        "to score, found none: the file is empty, and the run held out no examples of "
+        f"{folder / 'train.jsonl'} (--data.val-fraction 0.0); score them all with --split all")
+
+
 def test_examples_cut_at_seq_len_are_said(tmp_path, stories_path, capsys):
     """A GGUF of its own, one example a row: examples longer than --seq-len were cut, their
     ends left unscored, with nothing said (mlx-lm warns of sequences over its
@@ -844,6 +879,25 @@ def test_a_lora_run_is_scored_on_its_own_eval_rows_by_default(tmp_path, capsys, 
 def test_eval_batches_out_of_place_is_one_line(argv, said, capsys):
     assert eval_main(["--model", "nowhere.gguf", *argv]) == 2
     assert capsys.readouterr().err == f"toymlx-eval: error: {said}\n"
+
+
+@pytest.mark.parametrize("text, argv, said, subset", [
+    ("eval_batches: 2\nlimit: 5\n", [], "keys 'eval_batches' (2) and 'limit' (5)", "limit"),
+    ("eval-batches: 2\nmax-examples: 5\n", [], "keys 'eval-batches' (2) and 'max-examples' (5)",
+     "max-examples"),
+    ("eval_batches: 2\n", ["--limit", "3"], "key 'eval_batches' (2) and --limit 3", "--limit"),
+    ("limit: 5\n", ["--eval-batches", "3"], "--eval-batches 3 and key 'limit' (5)", "limit"),
+])
+def test_eval_batches_and_limit_in_a_file_are_named_by_its_keys(text, argv, said, subset,
+                                                                 tmp_path, capsys):
+    """A -c file setting eval_batches and limit was refused as `--eval-batches 2 limit 5`, no
+    file named and one key a flag; now the file and each key as it spells it."""
+    f = tmp_path / "e.yaml"
+    f.write_text(text)
+    assert eval_main(["--model", "nowhere.gguf", "-c", str(f), *argv]) == 2
+    assert capsys.readouterr().err == (f"toymlx-eval: error: {f}: {said}: expected one of them "
+                                       f"({subset} scores the first N of the whole split); drop "
+                                       "one\n")
 
 
 def test_eval_batches_on_data_a_run_did_not_validate_is_one_line(

@@ -447,7 +447,21 @@ def test_a_file_s_value_refused_is_named_by_its_key_unless_a_flag_gave_it(tmp_pa
     f.write_text("model: nowhere.gguf\nprompt: hi\ntemperature: 0.5\n")
     for flags in (["--temp", "-1"], ["--temperature=-1"]):
         assert cli.main(["-c", str(f), *flags]) == 2
-        assert capsys.readouterr().err.startswith("toymlx-generate: error: --temperature: ")
+        typed = flags[0].partition("=")[0]
+        assert capsys.readouterr().err.startswith(f"toymlx-generate: error: {typed}: ")
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--temp", "-1"], "--temp: expected a finite number >= 0, found -1.0"),
+    (["--temp=nan"], "--temp: expected a finite number >= 0, found nan"),
+    (["--temp", "0", "--num-samples", "2"], ("--num-samples 2: expected --temp > 0, found 0 "
+     "(greedy: every sample would be the same text; drop --num-samples)")),
+])
+def test_temp_refused_is_named_as_typed(flags, said, capsys):
+    """--temp (mlx_lm.generate's and llama.cpp's spelling) refused was named --temperature, a
+    flag the user never typed; now as typed, as toymlx-eval names --limit."""
+    assert cli.main(["--model", "nowhere.gguf", *flags]) == 2
+    assert capsys.readouterr().err == f"toymlx-generate: error: {said}\n"
 
 
 def test_system_prompt_is_system(stories_path, tmp_path, capsys):

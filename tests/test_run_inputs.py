@@ -734,6 +734,36 @@ def test_an_mlx_lm_folder_s_record_covers_the_files_the_run_reads(tmp_path, caps
         "trains on its own data: restore it, or start a new run on this data")
 
 
+def test_an_empty_valid_jsonl_gone_or_added_at_val_fraction_0_still_resumes(tmp_path, capsys):
+    """At --data.val-fraction 0 an empty valid.jsonl is read as none (mlx-lm's meaning), yet
+    deleting it stopped a --resume as changed data ("valid.jsonl gone"); now an empty one gone
+    or added is no change, and a valid.jsonl with an example in it, added, is refused naming it,
+    as a train.jsonl edit is."""
+    data = mlx_lm_folder(tmp_path / "data", n_valid=0)
+    (data / "valid.jsonl").write_text("")
+    base = tiny(tmp_path / "smol.gguf", 3)
+    assert _cli("train")(["--recipe", "lora", "--base", str(base), "--data.path", str(data),
+                          "--runs-root", str(tmp_path / "runs"), "--run-id", "r", *TRAIN[2:],
+                          "--steps", "4", "--stop-at", "2", "--data.val-fraction", "0"]) == 0
+    run = tmp_path / "runs" / "r"
+    rec = json.loads((run / "config.json").read_text())["data_files"]["data.path"]
+    assert rec["files"]["valid.jsonl"]["bytes"] == 0
+    (data / "valid.jsonl").unlink()
+    assert _cli("train")(["--resume", str(run), "--no-progress"]) == 0
+    assert _final_step(run) == 4
+    (data / "valid.jsonl").write_text("")
+    assert _cli("train")(["--resume", str(run), "--steps", "5", "--no-progress"]) == 0
+    assert _final_step(run) == 5
+    (data / "valid.jsonl").write_text(json.dumps({"text": "a validation row"}) + "\n")
+    capsys.readouterr()
+    assert _cli("train")(["--resume", str(run), "--steps", "6", "--no-progress"]) == 2
+    assert error_line(capsys).endswith(
+        ": valid.jsonl added); a resumed run trains on its own data: restore it, or start a new "
+        "run on this data")  # the empty one recorded was none
+    (data / "valid.jsonl").unlink()
+    _refused_for(capsys, run, "train.jsonl", _grown(data / "train.jsonl"), "--steps", "6")
+
+
 def test_a_resume_that_adds_test_is_refused_naming_toymlx_eval(tmp_path, capsys):
     """A run of no --test records train and valid alone (`only`): a --resume adding --test
     would score a test.jsonl the run's record never covered (edited or added since, unchecked).

@@ -68,6 +68,14 @@ def data_reads(cfg: Any, key: str, path: str | os.PathLike) -> tuple[str, ...] |
     return reads(str(path), bool(getattr(cfg, "test", False)))
 
 
+def data_empty_as_none(cfg: Any, key: str) -> tuple[str, ...]:
+    """The names of the files of a data folder that the option `key` of `cfg` reads as no file
+    where they are empty (its data options' `empty_as_none`: an mlx-lm folder's valid.jsonl at
+    --data.val-fraction 0), so that an empty one deleted or added is no change (`same_data`)."""
+    names = getattr(getattr(cfg, "data", None), "empty_as_none", None)
+    return names() if names is not None and key.startswith("data.") else ()
+
+
 def _reads(name: str, only: Sequence[str] | None) -> bool:
     """Whether a folder's file `name` (its path in the folder) is one `only` names: by its
     extension (".png") or its name ("train.jsonl"); None: every file."""
@@ -139,7 +147,8 @@ def fingerprint(path: str | os.PathLike, whole: bool = True,
 
 
 def same_data(path: str | os.PathLike, rec: dict[str, Any],
-              reads: Sequence[str] | None = None) -> tuple[bool, dict[str, Any]]:
+              reads: Sequence[str] | None = None, empty_as_none: Sequence[str] = ()
+              ) -> tuple[bool, dict[str, Any]]:
     """(whether the data file or folder at `path` holds the contents its recorded `fingerprint`
     `rec` names, what was read as `fingerprint` names it). Large data with the recorded size,
     samples and modification time is taken as unchanged, unread; with another modification
@@ -150,8 +159,13 @@ def same_data(path: str | os.PathLike, rec: dict[str, Any],
     (`_same_read_files`): one without "only" (written before toymlx recorded which: every file
     of the folder), or with an `only` the run does not read all of (an mlx-lm folder's
     test.jsonl, recorded before a run of no --test left it out), or with files in hidden
-    folders (recorded before `fingerprint` skipped them, as the run's reading did)."""
+    folders (recorded before `fingerprint` skipped them, as the run's reading did).
+    `empty_as_none`: files of the folder read as none where empty (`data_empty_as_none`): one
+    of 0 bytes recorded and now gone, or now there and not recorded, is no change, decided by
+    the record's files (`changed_part`) where it has them."""
     same, now = _same_whole(path, rec)
+    if not same and empty_as_none and Path(path).is_dir() and isinstance(rec.get("files"), dict):
+        return changed_part(path, rec, reads=reads, empty_as_none=empty_as_none) is None, now
     only = _recorded_only(rec)
     files = rec.get("files")
     hidden = isinstance(files, dict) and any(hidden_below(Path(path, n), path) for n in files)
@@ -253,24 +267,29 @@ def index_parts(index: Any, rec: dict[str, Any]) -> dict[str, Any] | None:
 
 def changed_part(path: str | os.PathLike, rec: dict[str, Any],
                  parts: dict[str, Any] | None = None,
-                 reads: Sequence[str] | None = None) -> str | None:
+                 reads: Sequence[str] | None = None, empty_as_none: Sequence[str] = ()
+                 ) -> str | None:
     """Which file of the data folder at `path` differs from its record's "files" (a small
     folder's, `FOLDER_PARTS`; a larger one's `parts`, from `index_parts`): "a/03.png added",
     "a/03.png gone", or "train.jsonl changed (100 -> 120 bytes)", the first by name; the
     files' names and sizes first (no file read), then, where they all hold, each file's bytes
     in name order up to the first that differs (each read once); None where the record has no
     files or none differs. `reads`: as `same_data`'s, the files compared (of those the
-    record's "only" names, where it has one)."""
+    record's "only" names, where it has one). `empty_as_none`: as `same_data`'s, files left out
+    of both sides where empty (0 bytes)."""
     parts = rec.get("files") if isinstance(rec.get("files"), dict) else parts
     if not isinstance(parts, dict) or not Path(path).is_dir():
         return None
     only = _recorded_only(rec)
     parts = {name: part for name, part in parts.items()  # hidden: recorded before
              if _reads(name, only) and _reads(name, reads)  # `_files` skipped them, not read
-             and not hidden_below(Path(path, name), path)}
+             and not hidden_below(Path(path, name), path)
+             and not (name in empty_as_none and isinstance(part, dict)
+                      and part.get("bytes") == 0)}
     now = {_text_name(p.relative_to(path)): p for p in _files(Path(path), only)
            if _reads(p.relative_to(path).as_posix(), reads)}
     sizes = {name: p.stat().st_size for name, p in now.items()}
+    now = {name: p for name, p in now.items() if not (name in empty_as_none and not sizes[name])}
 
     def said(name: str, found: int) -> str:
         return f"{name} changed ({parts[name].get('bytes')} -> {found} bytes)"
@@ -436,7 +455,7 @@ def same_contents(key: str, rec: dict[str, Any], path: Path, cfg: Any = None
     if key in MODEL_OPTIONS:
         same, found = _same_model(path, {"sha256": rec.get("sha256"), "parts": rec.get("parts")})
         return same, found, f"sha256 {str(rec.get('sha256'))[:12]}{_parts_note(rec)}"
-    same, now = same_data(path, rec, data_reads(cfg, key, path))
+    same, now = same_data(path, rec, data_reads(cfg, key, path), data_empty_as_none(cfg, key))
     return (same, f"{now['bytes']} bytes, {fingerprint_note(now)}",
             f"{rec.get('bytes')} bytes, {fingerprint_note(rec)}")
 

@@ -786,6 +786,8 @@ SPLIT_NAMES = tuple(f"{split}{suffix}" for split in ("train", "valid", "test")
                     for suffix in SPLIT_SUFFIXES)
 """Every name a data folder's split file may have (`data_files`): the files of the folder a run
 may read, so its record of its data covers these alone (not a README.md beside them)."""
+VALID_NAMES = tuple(n for n in SPLIT_NAMES if n.startswith("valid."))
+"""The names a data folder's validation file may have (valid.jsonl, ...)."""
 
 
 def split_files_read(path: str | Path, test: bool) -> tuple[str, ...] | None:
@@ -1847,8 +1849,9 @@ class SFTData:
     """The rows' --seq-len, for the notes and errors"""
     val_note: str | None = None
     """A data folder without valid.jsonl: which training examples validate instead"""
-    tools_note: str | None = None
-    """--data.drop-tools: how many examples' "tools" were left out (`tools_note`)"""
+    tools_dropped: dict[str, int] = dataclasses.field(default_factory=dict)
+    """--data.drop-tools: how many examples' "tools" were left out, by split ("train",
+    "validation", "test"), said by `notes` for the splits a run reads (`tools_note`)"""
 
     def split_source(self, split: str) -> str:
         """The file a split's examples came from ("train", "validation" or "test")."""
@@ -1856,9 +1859,12 @@ class SFTData:
 
     def notes(self, test: bool = True) -> list[str]:
         """The validation split's and --data.drop-tools' lines, then one console line per split
-        whose examples were cut or left out (`Fit.note`); the test split's only with `test`
-        (when it is scored)."""
-        return [n for n in (self.val_note, self.tools_note) if n] + [
+        whose examples were cut or left out (`Fit.note`); the test split's (its examples in the
+        --data.drop-tools count too) only with `test` (when it is scored)."""
+        read = {k: n for k, n in self.tools_dropped.items() if test or k != "test"}
+        source = str(self.source) + (f" + {self.test_source}" if read.get("test") else "")
+        tools = tools_note(source, sum(read.values()))
+        return [n for n in (self.val_note, tools) if n] + [
             line for split, fit in self.fits.items() if test or split != "test"
             if (line := fit.note(self.split_source(split), split, self.seq_len))]
 
@@ -1923,24 +1929,22 @@ class SFTData:
         `from_examples`'s; `drop_tools`: every example's "tools" left out (`without_tools`),
         said by a note."""
         ex = SplitExamples.of(path, val_fraction, val_path, keys)
-        train, val, dropped = ex.train, ex.val, 0
+        train, val, dropped = ex.train, ex.val, {}
         if drop_tools:
-            (train, n), (val, m) = without_tools(train), without_tools(val)
-            dropped = n + m
+            (train, dropped["train"]), (val, dropped["validation"]) = (without_tools(train),
+                                                                       without_tools(val))
         data = cls.from_examples(train, val, tokenizer, seq_len, mask_prompt, pack,
                                  ex.source, turns, progress)
-        data = dataclasses.replace(data, val_note=ex.note)
+        data = dataclasses.replace(data, val_note=ex.note, tools_dropped=dropped)
         if ex.test is None:
-            return dataclasses.replace(data, tools_note=tools_note(str(ex.source), dropped))
+            return data
         test_examples = load_examples(ex.test, keys)
         if drop_tools:
-            test_examples, n = without_tools(test_examples)
-            dropped += n
+            test_examples, dropped["test"] = without_tools(test_examples)
         test, fit = fitted_rows(test_examples, tokenizer, seq_len, mask_prompt, pack, turns,
                                 "test" if progress else None)
         return dataclasses.replace(data, test=test, test_source=str(ex.test),
-                                   fits={**data.fits, "test": fit},
-                                   tools_note=tools_note(str(ex.source), dropped))
+                                   fits={**data.fits, "test": fit}, tools_dropped=dropped)
 
     @functools.cached_property
     def first_row(self) -> int | None:

@@ -42,6 +42,7 @@ from toymlx.bundle.inputs import DATA_FILES_KEY
 from toymlx.bundle.outputs import check_output
 from toymlx.data import fixture_path
 from toymlx.data.chat import (
+    VALID_NAMES,
     SFTData,
     SplitExamples,
     chat_flags_on_text,
@@ -176,6 +177,13 @@ class ChatDataOptions:
         (`chat.split_files_read`): what the run's record of its data (config.json's
         data_files) covers."""
         return split_files_read(path, test)
+
+    def empty_as_none(self) -> tuple[str, ...]:
+        """The files of a data folder read as none where empty (a record of its data that
+        differs by an empty one alone is the same data): valid.jsonl (or .json, .csv, .tsv) at
+        --data.val-fraction 0, as `chat.SplitExamples.of` reads it; at another fraction an
+        empty one is refused as it is read, none (its last part validates)."""
+        return VALID_NAMES if self.val_fraction == 0 else ()
 
 
 @dataclass

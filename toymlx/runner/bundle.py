@@ -54,6 +54,7 @@ from toymlx.bundle.inputs import (
     MODEL_OPTIONS,
     adopt_input,
     changed_part,
+    data_empty_as_none,
     data_paths,
     data_reads,
     fingerprint,
@@ -411,7 +412,8 @@ class Bundle:
             if key in (fixed := fixed_data(self.events)):  # a fix an earlier resume took
                 rec = self.data_fixed[key] = fixed[key]
             reads = data_reads(self.config, key, path)
-            same, now = same_data(path, rec, reads)
+            empty = data_empty_as_none(self.config, key)  # valid.jsonl at val-fraction 0
+            same, now = same_data(path, rec, reads, empty)
             failed = next((e.get(DATA_ERROR_KEY) for e in reversed(self.events)
                            if e["kind"] == "run_end"), None)
             if not same and isinstance(failed, str):
@@ -426,7 +428,7 @@ class Bundle:
                 continue
             if not same:
                 what = ("its size" if now["bytes"] != rec.get("bytes") else "its contents")
-                part = changed_part(path, rec, self.data_index(key, rec), reads)
+                part = changed_part(path, rec, self.data_index(key, rec), reads, empty)
                 raise RunError(f"{path}: {flag_name(key)}: expected the {data} the run "
                                f"started on ({rec.get('bytes')} bytes, {fingerprint_note(rec)}), "
                                f"found {what} changed ({now['bytes']} bytes, "
