@@ -1937,15 +1937,23 @@ def test_expert_lora_draws_one_a_and_fuses_in_the_base_s_dtype():
     assert np.abs(got - want).max() > 0  # rounded to bfloat16, not float32
 
 
-def test_records_of_other_keys_are_refused_naming_data_keys(tiny_gguf, tmp_path, capsys):
+def test_records_of_other_keys_are_refused_naming_data_keys(tiny_gguf, tmp_path, capsys,
+                                                              monkeypatch):
     """{"question", "answer"} rows (a JSONL file or a CSV's columns) given without --data.keys
-    were refused naming the keys found, not the flag that reads them; with --data.keys given,
-    its own error stands (the keys named do not fit the row), and a sweep's early check of the
-    data (`data_notes`) says the same as the run."""
+    were refused naming the keys found, not the flag that reads them, and only once the base
+    had loaded (minutes for a large one); with --data.keys given, its own error stands (the
+    keys named do not fit the row), and a sweep's early check of the data (`data_notes`) says
+    the same as the run."""
     from toymlx_cli.train import main as train_main
 
     from toymlx.data.chat import DataError
+    from toymlx.recipes import lora as lora_recipe
     from toymlx.recipes.lora import ChatDataOptions, Config, data_notes
+
+    def load_llama(*a, **k):
+        raise AssertionError("the base loaded before its data was read")
+
+    monkeypatch.setattr(lora_recipe, "load_llama", load_llama)
 
     hint = ("; --data.keys reads a record's own keys as these, KEY=NAME pairs: prompt=NAME "
             "completion=NAME (or text=NAME, or messages=NAME)\n")

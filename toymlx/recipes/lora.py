@@ -510,19 +510,12 @@ def build(cfg: Config, ops: Ops) -> Task:
                           and step_estimate("blocks").total < est.total)
         fits = memory.check_fits(est, f"--base {cfg.base}", cfg.force,
                                  cfg.grad_checkpoint, blocks_smaller, streams)
-    model_store.check_digests(src, "--base")
-    if note := loading_note(src.path, types, dtype, est, fits):
-        print(f"toymlx: {note}", file=sys.stderr)
-    model, g = load_llama(src.path, ops, dtype, trained)
-    if some:  # mlx-lm's full fine-tune: model.freeze(), then each trained block unfrozen
-        model.freeze()
-        for i in trained_blocks:
-            model.layers[i].unfreeze()
-    meta = dict(g.metadata)
-    g.close()
-    args = model.args
-    check_seq_len(cfg.seq_len, args)
-    tok = Tokenizer.from_metadata(meta, source=src.path)  # its errors name the GGUF
+    model_store.check_digests(src, "--base")  # a store's blob is its name's before it is read
+    with GGUFFile(src.path) as g:
+        tok = Tokenizer.from_metadata(dict(g.metadata), source=src.path)  # errors name the GGUF
+    check_seq_len(cfg.seq_len, a)
+    # the data read and tokenized before the weights load: a record it refuses (a typo in the
+    # file) is said at once, not after minutes of loading a large base
     with keys_hint(cfg):
         data = SFTData.from_file(cfg.data.path or DEFAULT_DATA, tok, cfg.seq_len,
                                  cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction,
@@ -533,6 +526,16 @@ def build(cfg: Config, ops: Ops) -> Task:
     # rows cut or left out at --seq-len are said once, as mlx-lm warns of truncation
     for note in data.notes(cfg.test):
         print(f"toymlx: {note}", file=sys.stderr)
+    if note := loading_note(src.path, types, dtype, est, fits):
+        print(f"toymlx: {note}", file=sys.stderr)
+    model, g = load_llama(src.path, ops, dtype, trained)
+    if some:  # mlx-lm's full fine-tune: model.freeze(), then each trained block unfrozen
+        model.freeze()
+        for i in trained_blocks:
+            model.layers[i].unfreeze()
+    meta = dict(g.metadata)
+    g.close()
+    args = model.args
     base_meta = {"general.architecture": meta.get("general.architecture", "llama"),
                  "general.name": meta.get("general.name", Path(cfg.base).stem)}
     base_label = cfg.base if src.store else Path(cfg.base).name  # a store name: anywhere
