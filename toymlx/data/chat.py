@@ -609,7 +609,7 @@ def _table_header(path: Path, header: list[str], row: int, sep: str,
                 f"separated by {'commas' if sep == ',' else 'tabs'}{fix}" if other else "")
         error = NoShapeError if isinstance(e, NoShapeError) and not other else DataError
         raise error(f"{where}: expected the columns of one record shape ({TABLE_COLUMNS}; "
-                        f"others are ignored), found {header}{hint}") from None
+                    f"others are ignored), found {header}{hint}") from None
 
 
 def _examples(path: Path, examples: list[Example]) -> list[Example]:
