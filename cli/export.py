@@ -60,7 +60,8 @@ class Args:
     """
 
     out: str
-    """Where to write (atomically): a GGUF, or for safetensors a folder or .safetensors file."""
+    """Where to write (atomically): a GGUF; for safetensors a folder or .safetensors file; for
+    modelfile a folder (its Modelfile, and with --fuse the fused GGUF beside it)."""
     base: str | None = None
     """The llama GGUF the adapter was trained on (its tokenizer and metadata are kept); default
     with --adapter: the base the LoRA run recorded (its absolute file, checked by SHA-256)."""

@@ -150,8 +150,7 @@ def prompt_ids(tokenizer, args: Args, history: list[dict[str, str]] | None = Non
     if not templated(tokenizer, args):
         ids = tokenizer.encode(args.prompt)
         if not ids:
-            raise UsageError("--prompt: expected text (this tokenizer adds no BOS token), "
-                             "found an empty prompt")
+            raise no_prompt(tokenizer)
         return ids
     messages = [*(history or []), {"role": "user", "content": args.prompt}]
     if args.system:
@@ -163,6 +162,16 @@ def prompt_ids(tokenizer, args: Args, history: list[dict[str, str]] | None = Non
     if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:
         ids = ids[1:]
     return ids
+
+
+def no_prompt(tokenizer) -> UsageError:
+    """The refusal of a generation with no text to start from: no --prompt (or an empty one)
+    and a tokenizer that adds no BOS token, naming the ways to give the text."""
+    ways = "--prompt TEXT, or --prompt - to read it from stdin"
+    if tokenizer.chat_template:
+        ways = "--prompt TEXT, --prompt - to read it from stdin, or --chat for a conversation"
+    return UsageError("--prompt: expected the text to answer or continue (this model's tokenizer "
+                      f"adds no BOS token to start from), found none; give {ways}")
 
 
 def render_chat(tokenizer, messages: list[dict[str, str]], model: str) -> str:
@@ -648,6 +657,8 @@ def run(args: Args, temperature_flag: str = "--temperature") -> int:
     if note := system_note(tokenizer, args, gguf_path):
         used += "\n" + note
     check_top_k(args.top_k, model_args.vocab_size, gguf_path)
+    if not conversation and not args.prompt and not tokenizer.encode(""):
+        raise no_prompt(tokenizer)  # before the weights load
     gguf_path, adapters = model_files(args.model, args.adapter)
     try:
         if engine == "llama.cpp":

@@ -76,9 +76,19 @@ EXAMPLES = {
     "toymlx-generate": "toymlx-generate --model runs/RUN_ID --prompt TEXT",
     "toymlx-classify": "toymlx-classify --model runs/RUN_ID IMAGE",
     "toymlx-export": "toymlx-export --adapter runs/RUN_ID --fuse --out FILE.gguf",
+    "toymlx-export --format modelfile": ("toymlx-export --format modelfile --adapter runs/RUN_ID "
+                                         "--out FOLDER"),
 }
 """A command typed as it would be, for a line naming a required option left out: what a newcomer
-who types the command alone sees first."""
+who types the command alone sees first; keyed by the command, or by the command and the
+--format given where that format's call differs."""
+
+
+def _example(prog: str, argv: list[str]) -> str | None:
+    """`EXAMPLES`' command for `prog` typed with `argv`: its --format's where it has one."""
+    formats = [a.partition("=")[2] or (argv[i + 1] if i + 1 < len(argv) else "")
+               for i, a in enumerate(argv) if a.partition("=")[0] == "--format"]
+    return EXAMPLES.get(f"{prog} --format {formats[-1]}" if formats else prog) or EXAMPLES.get(prog)
 
 
 def _one_line(event: Any, cls: type, argv: list[str]) -> str | None:
@@ -93,7 +103,7 @@ def _one_line(event: Any, cls: type, argv: list[str]) -> str | None:
         names = ", ".join(a.arg.display_name() for a in event.missing_arguments)
         each = " for each (they are required)" if len(event.missing_arguments) > 1 else \
             " (it is required)"
-        example = EXAMPLES.get(event.prog)
+        example = _example(event.prog, argv)
         return f"{names}: expected a value{each}, got none" + (
             f"; e.g. {example} ({event.prog} --help lists every option)" if example else "")
     if kind == "MutexConflict":

@@ -1014,6 +1014,36 @@ def test_an_empty_stdin_for_prompt_dash_is_refused_not_generated_from_bos(storie
                                  "text on stdin, found it empty (ended at once)\n")
 
 
+def test_no_prompt_on_a_tokenizer_without_bos_names_the_ways_to_give_one_before_loading(
+        stories_path, chat_path, tmp_path, capsys, monkeypatch):
+    """README's `toymlx-generate --model runs/chat` typed without `--prompt` (SmolLM2 adds no
+    BOS): the weights loaded, then "--prompt: expected text (this tokenizer adds no BOS token),
+    found an empty prompt", naming neither stdin nor --chat; now refused before they load."""
+    from toymlx.generation import generate as gen
+    from toymlx.gguf.reader import GGUFFile
+
+    def no_bos(src: Path, name: str) -> Path:
+        with GGUFFile(src) as g:
+            path = tmp_path / name
+            write_gguf(path, {**g.metadata, "tokenizer.ggml.add_bos_token": False},
+                       {n: g.load(n) for n in g.tensors}, types=dict(g.metadata_types))
+        return path
+
+    def load_model(*a, **k):
+        raise AssertionError("the weights loaded before the refusal")
+
+    monkeypatch.setattr(gen, "load_model", load_model)
+    start = ("toymlx-generate: error: --prompt: expected the text to answer or continue (this "
+             "model's tokenizer adds no BOS token to start from), found none; give --prompt TEXT")
+    for model, ways in ((no_bos(chat_path, "chat.gguf"),
+                         ", --prompt - to read it from stdin, or --chat for a conversation"),
+                        (no_bos(stories_path, "raw.gguf"), ", or --prompt - to read it from stdin")):
+        for extra in ([], ["--prompt", ""], ["--ignore-chat-template"]):
+            assert cli.main(["--model", str(model), *extra]) == 2
+            out, err = capsys.readouterr()
+            assert out == "" and err == start + ways + "\n", (extra, err)
+
+
 def test_nanogpts_file_prompt_is_refused_not_taken_as_the_text(stories_path, capsys, tmp_path,
                                                                 monkeypatch):
     """sample.py's `--start=FILE:prompt.txt` habit as `--prompt FILE:prompt.txt`: the story went

@@ -1935,3 +1935,49 @@ def test_expert_lora_draws_one_a_and_fuses_in_the_base_s_dtype():
     got = np.array(fused.weight.astype(mx.float32), np.float64)
     assert np.abs(got - want).max() <= 2.0 ** -8 * np.abs(want).max()  # bfloat16's rounding
     assert np.abs(got - want).max() > 0  # rounded to bfloat16, not float32
+
+
+def test_records_of_other_keys_are_refused_naming_data_keys(tiny_gguf, tmp_path, capsys,
+                                                              monkeypatch):
+    """{"question", "answer"} rows (a JSONL file or a CSV's columns) given without --data.keys
+    were refused naming the keys found, not the flag that reads them, and only once the base
+    had loaded (minutes for a large one); with --data.keys given, its own error stands (the
+    keys named do not fit the row), and a sweep's early check of the data (`data_notes`) says
+    the same as the run."""
+    from toymlx_cli.train import main as train_main
+
+    from toymlx.data.chat import DataError
+    from toymlx.recipes import lora as lora_recipe
+    from toymlx.recipes.lora import ChatDataOptions, Config, data_notes
+
+    def load_llama(*a, **k):
+        raise AssertionError("the base loaded before its data was read")
+
+    monkeypatch.setattr(lora_recipe, "load_llama", load_llama)
+
+    hint = ("; --data.keys reads a record's own keys as these, KEY=NAME pairs: prompt=NAME "
+            "completion=NAME (or text=NAME, or messages=NAME)\n")
+    jsonl = tmp_path / "qa.jsonl"
+    jsonl.write_text(json.dumps({"question": "2+2?", "answer": "4"}) + "\n")
+    csv = tmp_path / "qa.csv"
+    csv.write_text("question,answer\n2+2?,4\n")
+    wants = {
+        jsonl: (f"{jsonl}:1: expected one of {{\"text\": ...}}, {{\"prompt\": ..., "
+                "\"completion\": ...} or {\"messages\": [...]}, found keys ['answer', 'question']"),
+        csv: (f"{csv}: row 1 (the header): expected the columns of one record shape (text; "
+              "prompt and completion; or Alpaca's instruction, input (optional) and output; "
+              "others are ignored), found ['question', 'answer']")}
+    common = ["--recipe", "lora", "--base", str(tiny_gguf), "--steps", "1", "--no-progress",
+              "--runs-root", str(tmp_path / "runs")]
+    for path, want in wants.items():
+        assert train_main([*common, "--data.path", str(path), "--run-id", path.suffix[1:]]) == 2
+        assert capsys.readouterr().err == f"toymlx-train: error: {want}{hint}"
+        with pytest.raises(DataError) as e:
+            data_notes(Config(base=str(tiny_gguf), data=ChatDataOptions(path=str(path))))
+        assert str(e.value) + "\n" == want + hint
+    assert train_main([*common, "--data.path", str(jsonl), "--data.keys", "prompt=q",
+                       "completion=answer", "--run-id", "keyed"]) == 2
+    assert capsys.readouterr().err == ("toymlx-train: error: " + str(jsonl) + ":1: expected "
+                                       "both \"q\" and \"answer\", found keys ['answer', "
+                                       "'question']\n")
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

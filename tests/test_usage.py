@@ -447,6 +447,12 @@ def test_a_peer_flag_another_recipe_takes_is_not_matched_by_spelling(capsys, tmp
     ("export", [], ("toymlx-export: error: --out: expected a value (it is required), got none; "
                     "e.g. toymlx-export --adapter runs/RUN_ID --fuse --out FILE.gguf "
                     "(toymlx-export --help lists every option)")),
+    # README's Ollama export without --out: the example is a modelfile export's, not --fuse's
+    *[("export", ["--adapter", "runs/chat", *given],
+       ("toymlx-export: error: --out: expected a value (it is required), got none; e.g. "
+        "toymlx-export --format modelfile --adapter runs/RUN_ID --out FOLDER (toymlx-export "
+        "--help lists every option)")) for given in (["--format", "modelfile"],
+                                                      ["--format=modelfile"])],
     ("eval", [], ("toymlx-eval: error: --model: expected a value (it is required), got none; "
                   "e.g. toymlx-eval --model runs/RUN_ID (toymlx-eval --help lists every "
                   "option)")),

@@ -74,6 +74,7 @@ __all__ = [
     "DataSource",
     "Example",
     "Fit",
+    "NoShapeError",
     "SFTData",
     "SplitExamples",
     "chat_flags_on_text",
@@ -101,6 +102,11 @@ or the last message (mlx-lm's)."""
 SHAPES = '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [...]}'
 ROW_KEYS = ("prompt", "completion", "text", "messages")
 """The keys a record's parts are read from, unless `row_keys` renames them."""
+
+
+class NoShapeError(DataError):
+    """A record holding none of the keys a shape is read from (nor ShareGPT's or Alpaca's): a
+    recipe that takes `--data.keys` adds how to name its own keys."""
 
 
 def row_keys(pairs: Sequence[str]) -> dict[str, str]:
@@ -290,7 +296,8 @@ def _parse_record(obj: Any, where: str, name: Callable[[str], str] = _quoted,
     if len(shapes) != 1:
         found = f"keys {sorted(given)}" if given else "an empty object"
         qualifier = "one of" if not shapes else "only one of"
-        raise DataError(f"{where}: expected {qualifier} {_shapes(keys)}, found {found}")
+        error = NoShapeError if not shapes and given else DataError
+        raise error(f"{where}: expected {qualifier} {_shapes(keys)}, found {found}")
 
     def string(key: str, value: Any, non_empty: bool) -> str:
         if not isinstance(value, str):
@@ -606,15 +613,16 @@ def _table_header(path: Path, header: list[str], row: int, sep: str,
                         f'{{"messages": [{{"role": ..., "content": ...}}, ...]}} a line')
     try:
         _parse_record({c: "x" for c in header if c}, where, _column, keys)
-    except DataError:
+    except DataError as e:
         other = next((c for c in (";", "\t", ",", "|") if c != sep and len(header) == 1
                       and c in header[0]), None)
         fix = {"\t": "; name it .tsv", ",": "; name it .csv"}.get(
             other or "", "; save it with commas (or tabs, as a .tsv)")
         hint = (f": one column holding {other!r}, where a .{kind.lower()}'s columns are "
                 f"separated by {'commas' if sep == ',' else 'tabs'}{fix}" if other else "")
-        raise DataError(f"{where}: expected the columns of one record shape ({TABLE_COLUMNS}; "
-                        f"others are ignored), found {header}{hint}") from None
+        error = NoShapeError if isinstance(e, NoShapeError) and not other else DataError
+        raise error(f"{where}: expected the columns of one record shape ({TABLE_COLUMNS}; "
+                    f"others are ignored), found {header}{hint}") from None
 
 
 def _examples(path: Path, examples: list[Example]) -> list[Example]:

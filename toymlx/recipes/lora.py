@@ -22,8 +22,9 @@ type that keeps its change), a type: every tensor re-quantized to it.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field, fields
 from functools import partial
 from pathlib import Path
@@ -43,6 +44,7 @@ from toymlx.bundle.outputs import check_output
 from toymlx.data import fixture_path
 from toymlx.data.chat import (
     VALID_NAMES,
+    NoShapeError,
     SFTData,
     SplitExamples,
     chat_flags_on_text,
@@ -253,14 +255,29 @@ class Config(TrainConfig):
     every tensor re-quantized to the type named."""
 
 
+@contextlib.contextmanager
+def keys_hint(cfg: Config) -> Iterator[None]:
+    """Reading the run's records: a record with none of the keys a shape is read from
+    (`NoShapeError`), where no --data.keys was given, adds how to name its own keys."""
+    try:
+        yield
+    except NoShapeError as e:
+        if cfg.data.keys:  # the keys given name other parts than the record has
+            raise
+        raise NoShapeError(f"{e}; --data.keys reads a record's own keys as these, KEY=NAME "
+                           "pairs: prompt=NAME completion=NAME (or text=NAME, or messages=NAME)"
+                           ) from None
+
+
 def data_notes(cfg: Config) -> list[str]:
     """What the run says of its examples before its base is read (a folder without valid.jsonl
     validated by train.jsonl's last part, which mlx-lm would train on: `SplitExamples.note`),
     for toymlx-sweep to say once; DataError for examples that cannot be read, or 'messages'
     ones on a base file without a chat template (each run refused them after reading its
     base; a store name's file is left to the run)."""
-    ex = SplitExamples.of(cfg.data.path or DEFAULT_DATA, cfg.data.val_fraction,
-                          keys=row_keys(cfg.data.keys))
+    with keys_hint(cfg):
+        ex = SplitExamples.of(cfg.data.path or DEFAULT_DATA, cfg.data.val_fraction,
+                              keys=row_keys(cfg.data.keys))
     chat = next((e for e in ex.train + ex.val if e.messages is not None), None)
     if chat is not None and not model_store.is_store_name(cfg.base) and Path(cfg.base).is_file():
         with GGUFFile(cfg.base) as g:
@@ -505,7 +522,22 @@ def build(cfg: Config, ops: Ops) -> Task:
                           and step_estimate("blocks").total < est.total)
         fits = memory.check_fits(est, f"--base {cfg.base}", cfg.force,
                                  cfg.grad_checkpoint, blocks_smaller, streams)
-    model_store.check_digests(src, "--base")
+    model_store.check_digests(src, "--base")  # a store's blob is its name's before it is read
+    with GGUFFile(src.path) as g:
+        tok = Tokenizer.from_metadata(dict(g.metadata), source=src.path)  # errors name the GGUF
+    check_seq_len(cfg.seq_len, a)
+    # the data read and tokenized before the weights load: a record it refuses (a typo in the
+    # file) is said at once, not after minutes of loading a large base
+    with keys_hint(cfg):
+        data = SFTData.from_file(cfg.data.path or DEFAULT_DATA, tok, cfg.seq_len,
+                                 cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction,
+                                 turns=cfg.data.train_turns, progress=cfg.progress,
+                                 keys=row_keys(cfg.data.keys), drop_tools=cfg.data.drop_tools)
+    data.check_held_out(cfg.test)
+    check_train_batch(cfg.batch_size, data)
+    # rows cut or left out at --seq-len are said once, as mlx-lm warns of truncation
+    for note in data.notes(cfg.test):
+        print(f"toymlx: {note}", file=sys.stderr)
     if note := loading_note(src.path, types, dtype, est, fits):
         print(f"toymlx: {note}", file=sys.stderr)
     model, g = load_llama(src.path, ops, dtype, trained)
@@ -516,17 +548,6 @@ def build(cfg: Config, ops: Ops) -> Task:
     meta = dict(g.metadata)
     g.close()
     args = model.args
-    check_seq_len(cfg.seq_len, args)
-    tok = Tokenizer.from_metadata(meta, source=src.path)  # its errors name the GGUF
-    data = SFTData.from_file(cfg.data.path or DEFAULT_DATA, tok, cfg.seq_len,
-                             cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction,
-                             turns=cfg.data.train_turns, progress=cfg.progress,
-                             keys=row_keys(cfg.data.keys), drop_tools=cfg.data.drop_tools)
-    data.check_held_out(cfg.test)
-    check_train_batch(cfg.batch_size, data)
-    # rows cut or left out at --seq-len are said once, as mlx-lm warns of truncation
-    for note in data.notes(cfg.test):
-        print(f"toymlx: {note}", file=sys.stderr)
     base_meta = {"general.architecture": meta.get("general.architecture", "llama"),
                  "general.name": meta.get("general.name", Path(cfg.base).stem)}
     base_label = cfg.base if src.store else Path(cfg.base).name  # a store name: anywhere
