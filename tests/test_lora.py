@@ -1103,6 +1103,29 @@ def test_recipe_reads_an_mlx_lm_data_folder(tiny_gguf, tmp_path, capsys):
                                   f"folder with test.jsonl, found {data}")
 
 
+def test_a_run_without_test_never_reads_test_jsonl(tiny_gguf, tmp_path, capsys):
+    """test.jsonl is read only by a run that scores it (--test): a line it would refuse blocks
+    no run without --test, which records no test set; --test refuses it, naming the line."""
+    from cli_errors import error_line
+
+    data = mlx_lm_folder(tmp_path / "data")
+    with (data / "test.jsonl").open("a") as f:
+        f.write("{not json\n")
+    common = ["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root", str(tmp_path),
+              "--steps", "1", "--batch-size", "2", "--seq-len", "64", "--eval-every", "0",
+              "--no-progress", "--no-compile", "--data.path", str(data)]
+    assert _train(common + ["--run-id", "plain"]) == 0
+    assert "test.jsonl" not in capsys.readouterr().err
+    config = events_of(tmp_path / "plain")[0]["config"]
+    assert "test_source" not in config and "test_rows" not in config
+    assert _train(common + ["--run-id", "scored", "--test"]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {data / 'test.jsonl'}:5: bad JSON (Expecting property name "
+        "enclosed in double quotes at column 2); expected one object per line {\"text\": ...}, "
+        '{"prompt": ..., "completion": ...} or {"messages": [...]}')
+    assert not (tmp_path / "scored").exists()
+
+
 # ---- DoRA -----------------------------------------------------------------------------------
 def test_dora_linear_against_float64_and_its_fuse():
     """y = m / ||W + s B A||_row * (W x + s B A x) + bias, in float64 numpy; step 0 = the base."""

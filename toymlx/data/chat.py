@@ -1929,11 +1929,14 @@ class SFTData:
         progress: bool = False,
         keys: Mapping[str, str] | None = None,
         drop_tools: bool = False,
+        test: bool = True,
     ) -> SFTData:
         """Load `path` (a file, or an mlx-lm data folder: `data_files`), each record read
         through `keys` (`row_keys`'); validation is `val_path` or the folder's valid.jsonl if
-        given, else the last `val_fraction` of the training file; a folder's test.jsonl becomes
-        `test`; every split's rows as `turns` says (`TURNS`); `progress` as
+        given, else the last `val_fraction` of the training file; with `test` (a run that scores
+        it: --test), a folder's test.jsonl becomes `test`, else it is not read (a test.jsonl
+        that would be refused blocks no run that never scores it); every split's rows as
+        `turns` says (`TURNS`); `progress` as
         `from_examples`'s; `drop_tools`: every example's "tools" left out (`without_tools`),
         said by a note."""
         ex = SplitExamples.of(path, val_fraction, val_path, keys)
@@ -1944,7 +1947,7 @@ class SFTData:
         data = cls.from_examples(train, val, tokenizer, seq_len, mask_prompt, pack,
                                  ex.source, turns, progress)
         data = dataclasses.replace(data, val_note=ex.note, tools_dropped=dropped)
-        if ex.test is None:
+        if ex.test is None or not test:
             return data
         test_examples = load_examples(ex.test, keys)
         if drop_tools:

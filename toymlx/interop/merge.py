@@ -141,7 +141,7 @@ def write_fused_exact(out: str | os.PathLike, base: str | os.PathLike,
                              cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction,
                              turns=cfg.data.train_turns,
                              keys=row_keys(getattr(cfg.data, "keys", ())),
-                             drop_tools=cfg.data.drop_tools)
+                             drop_tools=cfg.data.drop_tools, test=False)
     model, g = load_llama(base)
     g.close()
     apply_adapter(model, ad_path)

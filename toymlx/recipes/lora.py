@@ -532,7 +532,8 @@ def build(cfg: Config, ops: Ops) -> Task:
         data = SFTData.from_file(cfg.data.path or DEFAULT_DATA, tok, cfg.seq_len,
                                  cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction,
                                  turns=cfg.data.train_turns, progress=cfg.progress,
-                                 keys=row_keys(cfg.data.keys), drop_tools=cfg.data.drop_tools)
+                                 keys=row_keys(cfg.data.keys), drop_tools=cfg.data.drop_tools,
+                                 test=cfg.test)
     data.check_held_out(cfg.test)
     check_train_batch(cfg.batch_size, data)
     # rows cut or left out at --seq-len are said once, as mlx-lm warns of truncation
