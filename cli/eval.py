@@ -17,6 +17,7 @@ import itertools
 import json
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple
@@ -105,6 +106,13 @@ class Args:
     """Chat examples: leave out each record's "tools" before the chat template renders them,
     as a lora run of --data.drop-tools does (a run's own setting by default): for a template
     that never reads them, which refuses them otherwise."""
+    data_keys: Annotated[tuple[str, ...], tyro.conf.arg(
+        name="data.keys", help_behavior_hint="(default: a run's own, else none)")] = ()
+    """Chat/SFT examples: row keys read under other names, as KEY=NAME (KEY: prompt,
+    completion, text or messages), as a lora run's --data.keys reads them: `--data.keys
+    prompt=question completion=answer` scores {"question", "answer"} rows as prompt and
+    completion. Default: a run's own (the keys it trained with); none for a model outside a
+    run."""
     device: Literal["auto", "gpu", "cpu"] = "auto"
     """Where MLX runs."""
     plot: str | None = None
@@ -281,7 +289,7 @@ def chat_flags(args: Args) -> list[str]:
     """The flags given that build chat/SFT rows (--data.pack, --data.no-mask-prompt, ...)."""
     return [name for flag, yes in ((pack_flag(args), "pack"), (mask_flag(args), "mask-prompt"))
             if flag is not None for name in [f"--data.{'' if flag else 'no-'}{yes}"]] + [
-        "--data.drop-tools"] * args.data_drop_tools
+        "--data.drop-tools"] * args.data_drop_tools + ["--data.keys"] * bool(args.data_keys)
 
 
 def mlx_lm_folder(args: Args, cfg: Any) -> bool:
@@ -597,7 +605,8 @@ class FileRun(NamedTuple):
             data.pop("path", None)
             mine.append("--data.path")
         for key, flag in (("pack", pack_flag(args)), ("mask_prompt", mask_flag(args)),
-                          ("drop_tools", args.data_drop_tools or None)):
+                          ("drop_tools", args.data_drop_tools or None),
+                          ("keys", args.data_keys or None)):
             if flag is not None:  # --data.pack, --data.no-mask-prompt, ...: the flag's rows
                 data.pop(key, None)
         mine += chat_flags(args)
@@ -765,17 +774,19 @@ def evaluate_images(args: Args, path: Path, rows: RunRows | None = None) -> dict
     return out
 
 
-def chat_records(path: str) -> bool:
+def chat_records(path: str, keys: Sequence[str] = ()) -> bool:
     """Whether --data.path (a file, or a data folder's train.jsonl; a folder of text files
     never) holds chat/SFT examples: prompt/completion, messages, or their peers' layouts
-    (ShareGPT, Alpaca, a table of them).
+    (ShareGPT, Alpaca, a table of them), each record read through `keys` (--data.keys's pairs).
     A Llama scores those as `evaluate_chat` does, never as the text of their JSON."""
-    from toymlx.data.chat import data_files, first_kind, is_plain_text, text_folder_files
+    from toymlx.data.chat import data_files, first_kind, is_plain_text, row_keys, text_folder_files
+    from toymlx.recipes.lora import keys_hint
 
     if text_folder_files(path) is not None:  # one text
         return False
     f = data_files(path).train
-    return not is_plain_text(f) and first_kind(f) != "text"
+    with keys_hint(keys):
+        return not is_plain_text(f) and first_kind(f, row_keys(keys)) != "text"
 
 
 def evaluate_chat(args: Args, cfg: Any, rows: RunRows | None = None) -> dict:
@@ -794,12 +805,16 @@ def evaluate_chat(args: Args, cfg: Any, rows: RunRows | None = None) -> dict:
     from toymlx.generation.generate import load_for_generation, used_files
     from toymlx.gguf.llama import frozen_weights
     from toymlx.models.ops import scoring_ops
+    from toymlx.recipes.lora import keys_hint
 
     split = args.split or "val"  # Args built in code skip `evaluate`'s `default_split`
     data = getattr(cfg, "data", None)
     path = args.data_path or getattr(data, "path", None)
+    # --data.keys as given, else the run's own: checked before the model loads
+    keys = args.data_keys or tuple(getattr(data, "keys", ()))
+    row_keys(keys)
     if mask_flag(args) and path:  # given, before the model loads: text rows mask nothing
-        chat_flags_on_text(path, ("--data.mask-prompt",), row_keys(getattr(data, "keys", ())),
+        chat_flags_on_text(path, ("--data.mask-prompt",), row_keys(keys),
                            ("test",) if split == "test" else ("train", "valid"), "is scored")
     model, tok = load_for_generation(args.model, weights=frozen_weights(on_gpu()),
                                      ops=scoring_ops(on_gpu()))
@@ -811,13 +826,18 @@ def evaluate_chat(args: Args, cfg: Any, rows: RunRows | None = None) -> dict:
     mask = own.mask if own is not None else mask_flag(args)
     run_mask = getattr(getattr(cfg, "data", None), "mask_prompt", True)
     run_drop = getattr(getattr(cfg, "data", None), "drop_tools", False)
+    run_keys = row_keys(getattr(getattr(cfg, "data", None), "keys", ()))
     if rows is not None and (pack != chat_pack(cfg, None) or mask not in (None, run_mask)
-                             or args.data_drop_tools > run_drop):
+                             or args.data_drop_tools > run_drop
+                             or row_keys(keys) != run_keys):
         rows = rows._replace(own=False)  # other rows than the run's own
-    r = chat_loss(model, tok, cfg, split, args.data_path, own.seq_len if own else args.seq_len,
-                  own.batch_size if own else args.batch_size or 256, first=args.max_examples, progress=bar_name(args),
-                  pick=rows, pack=pack, mask=mask, turns=own.turns if own else None,
-                  drop_tools=args.data_drop_tools or None)
+    with keys_hint(keys):
+        r = chat_loss(model, tok, cfg, split, args.data_path,
+                      own.seq_len if own else args.seq_len,
+                      own.batch_size if own else args.batch_size or 256, first=args.max_examples,
+                      progress=bar_name(args), pick=rows, pack=pack, mask=mask,
+                      turns=own.turns if own else None, drop_tools=args.data_drop_tools or None,
+                      keys=keys)
     # named as the run's events name them (test) and as a text checkpoint's report (val, all)
     names = ("test_loss", "test_perplexity") if split == "test" else ("val_loss", "perplexity")
     # rows: the examples of one row each (padded) or run together (packed, --data.pack)
@@ -900,7 +920,8 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
               seq_len: int | None = None, batch_size: int = 256, first: int | None = None,
               progress: str | None = PROG, pick: RunRows | None = None,
               per_row: bool = False, pack: bool | None = None, mask: bool | None = None,
-              turns: str | None = None, drop_tools: bool | None = None) -> HeldOut:
+              turns: str | None = None, drop_tools: bool | None = None,
+              keys: Sequence[str] | None = None) -> HeldOut:
     """What `model` scores on a LoRA run's chat/SFT rows of `split` (see `evaluate_chat`), `cfg`
     the run's configuration (None: --data.path or the default); `first`: only the first that
     many rows (--max-examples), no example after them tokenized; `pick` (instead, on the
@@ -910,6 +931,7 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     as given (None: the run's own, else one example a row, `chat_pack`); `mask`, `turns`:
     --data.mask-prompt and --data.train-turns (None: the run's own, else masked, assistant
     turns); `drop_tools`: --data.drop-tools as given (None: the run's own, else none dropped);
+    `keys`: --data.keys's pairs as given (None: the run's own, else none);
     `progress`: the name of the pass's progress bar (drawn on a terminal, `Evaluator`; None:
     none)."""
     import numpy as np
@@ -950,7 +972,7 @@ def chat_loss(model: Any, tok: Any, cfg: Any, split: str = "val", data_path: str
     mask = data.get("mask_prompt", True) if mask is None else mask
     pack = chat_pack(cfg, pack)
     turns = turns or data.get("train_turns", "assistant")
-    keys = row_keys(data.get("keys", ()))
+    keys = row_keys(data.get("keys", ()) if keys is None else keys)
     bar = progress is not None  # tokenizing bars on a terminal, as the pass's own
     dropped = [0]  # examples whose "tools" --data.drop-tools left out (the run's, or given)
     drop_tools = data.get("drop_tools", False) if drop_tools is None else drop_tools
@@ -1145,7 +1167,7 @@ def evaluate(args: Args) -> dict:
             return evaluate_chat(args, cfg)
         run_data = own and text_run  # read as the run read it (its --data.read-as)
         if args.data_path is not None and args.split != "test" and not run_data \
-                and chat_records(args.data_path):
+                and chat_records(args.data_path, args.data_keys):
             return evaluate_chat(args, cfg)  # scored as rows of prompt and answer, as trained
         text = args.data_path or (f"the text {args.model} trained on" if run_data else
                                   "the default text")

@@ -16,7 +16,7 @@ import pytest
 from cli_errors import error_line
 from image_files import make_image_folder
 from PIL import Image
-from test_lora import mlx_lm_folder, number_stories_folder, tiny_gguf  # noqa: F401  (fixture)
+from test_lora import events_of, mlx_lm_folder, number_stories_folder, tiny_gguf  # noqa: F401
 from toymlx_cli.eval import main as eval_main
 from toymlx_cli.train import main as train_main
 
@@ -1261,3 +1261,35 @@ def test_mask_prompt_flags_are_refused_where_no_chat_rows_are_built(tiny_gguf, t
         "toymlx-eval: error: --data.pack, --data.mask-prompt: expected chat/SFT examples to "
         "build rows of (a JSONL file or data folder of prompt/completion or messages), found "
         f"{text} (plain text, scored in windows of --seq-len tokens); drop them")
+
+
+def test_data_keys_reads_other_keys_as_lora_does(tiny_gguf, tmp_path, capsys):  # noqa: F811
+    """toymlx-eval had no --data.keys: a model scored on {"question", "answer"} rows was refused,
+    with no flag to read them. --data.keys reads them as a lora run's does (the loss of the same
+    rows written as prompt and completion), a refusal without it names the flag, and a run
+    trained with --data.keys is scored on its own keys (its last eval event's loss)."""
+    pairs = [(f"what is {i} + {i}?", f" {2 * i}, as {i} and {i} make.") for i in range(12)]
+    qa, pc = tmp_path / "qa.jsonl", tmp_path / "pc.jsonl"
+    qa.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in pairs))
+    pc.write_text("".join(json.dumps({"prompt": q, "completion": a}) + "\n" for q, a in pairs))
+    keys = ["--data.keys", "prompt=question", "completion=answer"]
+    common = ["--model", str(tiny_gguf), "--seq-len", "128", "--split", "all", "--no-progress"]
+    assert eval_main([*common, "--data.path", str(pc)]) == 0
+    want = json.loads(capsys.readouterr().out)
+    assert eval_main([*common, "--data.path", str(qa), *keys]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["data"] == str(qa) and {**got, "data": str(pc)} == want
+    assert eval_main([*common, "--data.path", str(qa)]) == 2
+    assert error_line(capsys, "toymlx-eval") == (
+        f"toymlx-eval: error: {qa}:1: expected one of {{\"text\": ...}}, {{\"prompt\": ..., "
+        "\"completion\": ...} or {\"messages\": [...]}, found keys ['answer', 'question']; "
+        "--data.keys reads a record's own keys as these, KEY=NAME pairs: prompt=NAME "
+        "completion=NAME (or text=NAME, or messages=NAME)")
+    assert train_main(["--recipe", "lora", "--base", str(tiny_gguf), "--runs-root",
+                       str(tmp_path), "--run-id", "keyed", "--steps", "2", "--seq-len", "128",
+                       "--no-progress", "--no-compile", "--data.path", str(qa), *keys]) == 0
+    last = [e for e in events_of(tmp_path / "keyed") if e["kind"] == "eval"][-1]
+    capsys.readouterr()
+    assert eval_main(["--model", str(tmp_path / "keyed"), "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["val_loss"] == pytest.approx(last["val_loss"],
+                                                                           abs=1e-5)

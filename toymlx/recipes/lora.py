@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from functools import partial
 from pathlib import Path
@@ -256,13 +256,14 @@ class Config(TrainConfig):
 
 
 @contextlib.contextmanager
-def keys_hint(cfg: Config) -> Iterator[None]:
-    """Reading the run's records: a record with none of the keys a shape is read from
-    (`NoShapeError`), where no --data.keys was given, adds how to name its own keys."""
+def keys_hint(keys: Sequence[str]) -> Iterator[None]:
+    """Reading records (a run's; toymlx-eval's): a record with none of the keys a shape is read
+    from (`NoShapeError`), where no --data.keys was given (`keys`: the pairs, as given), adds
+    how to name its own keys."""
     try:
         yield
     except NoShapeError as e:
-        if cfg.data.keys:  # the keys given name other parts than the record has
+        if keys:  # the keys given name other parts than the record has
             raise
         raise NoShapeError(f"{e}; --data.keys reads a record's own keys as these, KEY=NAME "
                            "pairs: prompt=NAME completion=NAME (or text=NAME, or messages=NAME)"
@@ -275,7 +276,7 @@ def data_notes(cfg: Config) -> list[str]:
     for toymlx-sweep to say once; DataError for examples that cannot be read, or 'messages'
     ones on a base file without a chat template (each run refused them after reading its
     base; a store name's file is left to the run)."""
-    with keys_hint(cfg):
+    with keys_hint(cfg.data.keys):
         ex = SplitExamples.of(cfg.data.path or DEFAULT_DATA, cfg.data.val_fraction,
                               keys=row_keys(cfg.data.keys))
     chat = next((e for e in ex.train + ex.val if e.messages is not None), None)
@@ -528,7 +529,7 @@ def build(cfg: Config, ops: Ops) -> Task:
     check_seq_len(cfg.seq_len, a)
     # the data read and tokenized before the weights load: a record it refuses (a typo in the
     # file) is said at once, not after minutes of loading a large base
-    with keys_hint(cfg):
+    with keys_hint(cfg.data.keys):
         data = SFTData.from_file(cfg.data.path or DEFAULT_DATA, tok, cfg.seq_len,
                                  cfg.data.mask_prompt, cfg.data.pack, cfg.data.val_fraction,
                                  turns=cfg.data.train_turns, progress=cfg.progress,
