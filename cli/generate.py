@@ -448,8 +448,8 @@ def check_samples(args: Args) -> None:
         raise UsageError(f"--num-samples {n}: expected a --prompt (a --chat conversation "
                          "answers each turn once), found none")
     if args.seed + n - 1 >= 2**64:  # sample k's seed is --seed + k
-        raise UsageError(f"--num-samples {n}: expected --seed + {n - 1} <= {2**64 - 1} (the "
-                         f"samples' seeds run from --seed up), found --seed {args.seed}")
+        raise UsageError(f"--seed: expected <= {2**64 - n} with --num-samples {n} (the "
+                         f"samples' seeds run from it up to {2**64 - 1}), found {args.seed}")
 
 
 def trained_window(model: str) -> int | None:

@@ -487,10 +487,10 @@ def test_prompt_from_empty_stdin_is_named_as_typed(monkeypatch, capsys):
                                        "on stdin, found it empty (ended at once)\n")
 
 
-def test_greedy_samples_from_a_file_name_its_key(tmp_path, capsys):
-    """A -c file's `temp: 0` with --num-samples 2 named --temperature in the middle of a line on
-    --num-samples; the line now leads with the temperature, so it names the file's key (and a
-    flag that gives it over the file, as typed)."""
+def test_samples_refused_for_a_file_s_value_name_its_key(tmp_path, capsys):
+    """A -c file's `temp: 0` (or a `seed:` too high) with --num-samples 2 named --temperature
+    (--seed) in the middle of a line on --num-samples; the line now leads with that option, so
+    it names the file's key (and a flag that gives it over the file, as typed)."""
     f = tmp_path / "g.yaml"
     f.write_text("model: nowhere.gguf\nprompt: hi\ntemp: 0\n")
     why = ("expected > 0 with --num-samples 2, found 0 (greedy: every sample would be the same "
@@ -499,6 +499,11 @@ def test_greedy_samples_from_a_file_name_its_key(tmp_path, capsys):
     assert capsys.readouterr().err == f"toymlx-generate: error: {f}: key 'temp': {why}\n"
     assert cli.main(["-c", str(f), "--num-samples", "2", "--temperature", "0"]) == 2
     assert capsys.readouterr().err == f"toymlx-generate: error: --temperature: {why}\n"
+    f.write_text(f"model: nowhere.gguf\nprompt: hi\nseed: {2**64 - 1}\n")
+    assert cli.main(["-c", str(f), "--num-samples", "2"]) == 2
+    assert capsys.readouterr().err == (f"toymlx-generate: error: {f}: key 'seed': expected <= "
+                                       f"{2**64 - 2} with --num-samples 2 (the samples' seeds "
+                                       f"run from it up to {2**64 - 1}), found {2**64 - 1}\n")
 
 
 def test_system_prompt_is_system(stories_path, tmp_path, capsys):
@@ -1389,8 +1394,11 @@ def test_one_sample_prints_no_separator(stories_path, capsys):
      ("--num-samples 2: expected a --prompt (a --chat conversation answers each turn once), "
      "found none")),
     (["--num-samples", "3", "--seed", str(2**64 - 2)],
-     (f"--num-samples 3: expected --seed + 2 <= {2**64 - 1} (the samples' seeds run from "
-     f"--seed up), found --seed {2**64 - 2}")),
+     (f"--seed: expected <= {2**64 - 3} with --num-samples 3 (the samples' seeds run from it "
+     f"up to {2**64 - 1}), found {2**64 - 2}")),
+    (["--num-samples", "3", "-s", str(2**64 - 2)],
+     (f"-s: expected <= {2**64 - 3} with --num-samples 3 (the samples' seeds run from it "
+     f"up to {2**64 - 1}), found {2**64 - 2}")),
 ])
 def test_num_samples_that_cannot_be_drawn_are_one_line(stories_path, capsys, monkeypatch,
                                                        flags, want):
