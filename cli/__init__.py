@@ -262,7 +262,7 @@ def _run_command(prog: str, args_type: type, run: Callable[[Any], int],
         given_file_keys,
         split_config,
     )
-    from toymlx_cli.usage import parse_options  # here: --version answers without tyro
+    from toymlx_cli.usage import line_as_typed, parse_options  # here: --version, without tyro
 
     from toymlx.backend.device import restart_with_huge_pages, setup_process
 
@@ -274,9 +274,14 @@ def _run_command(prog: str, args_type: type, run: Callable[[Any], int],
         return 0
     keys: dict[str, str] = {}
     config = None
+    given = argv
 
-    def named(e: Exception) -> str:  # a -c file's value refused by a later check: its key
-        return file_key_error(str(e), keys, config) if config else str(e)
+    def named(e: Exception) -> str:
+        """A refusal naming its option as the user gave it: a -c file's value refused by a
+        later check, by the file's key; else its leading flag as typed (-n, --temp)."""
+        line = str(e)
+        keyed = file_key_error(line, keys, config) if config else line
+        return keyed if keyed != line else line_as_typed(line, given, args_type)
 
     try:
         setup_process()

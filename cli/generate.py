@@ -433,9 +433,8 @@ SEPARATOR = "-" * 15
 prints it: a script splits the output on it, and a sample not followed by it was cut (Ctrl-C)."""
 
 
-def check_samples(args: Args, temperature_flag: str = "--temperature") -> None:
-    """UsageError for a --num-samples that cannot be drawn as its help says (`temperature_flag`:
-    the temperature's flag as typed)."""
+def check_samples(args: Args) -> None:
+    """UsageError for a --num-samples that cannot be drawn as its help says."""
     n = args.num_samples
     if not 1 <= n <= MAX_SAMPLES:
         raise UsageError(f"--num-samples: expected a count in 1..{MAX_SAMPLES}, found {n} (more "
@@ -443,14 +442,14 @@ def check_samples(args: Args, temperature_flag: str = "--temperature") -> None:
     if n == 1:
         return
     if args.temperature == 0:
-        raise UsageError(f"--num-samples {n}: expected {temperature_flag} > 0, found 0 (greedy: "
+        raise UsageError(f"--temperature: expected > 0 with --num-samples {n}, found 0 (greedy: "
                          "every sample would be the same text; drop --num-samples)")
     if args.chat and not args.prompt:
         raise UsageError(f"--num-samples {n}: expected a --prompt (a --chat conversation "
                          "answers each turn once), found none")
     if args.seed + n - 1 >= 2**64:  # sample k's seed is --seed + k
-        raise UsageError(f"--num-samples {n}: expected --seed + {n - 1} <= {2**64 - 1} (the "
-                         f"samples' seeds run from --seed up), found --seed {args.seed}")
+        raise UsageError(f"--seed: expected <= {2**64 - n} with --num-samples {n} (the "
+                         f"samples' seeds run from it up to {2**64 - 1}), found {args.seed}")
 
 
 def trained_window(model: str) -> int | None:
@@ -598,9 +597,8 @@ def store_layers_note(spec: str) -> str | None:
             "applied")
 
 
-def run(args: Args, temperature_flag: str = "--temperature") -> int:
-    """Generate as `args` say; `temperature_flag`: --temperature as the command line spelt it
-    (--temp, mlx_lm.generate's), what a refusal of its value names."""
+def run(args: Args) -> int:
+    """Generate as `args` say."""
     from toymlx.backend.device import on_gpu, select_device
     from toymlx.generation.generate import (
         EngineFailed,
@@ -637,10 +635,10 @@ def run(args: Args, temperature_flag: str = "--temperature") -> int:
                          "--max-tokens 100000: generation stops at an end-of-generation token "
                          "(or at the model's window, with --no-context-shift)")
     check_sampling(args.temperature, args.top_p, args.top_k, args.min_p,
-                   args.repetition_penalty, temperature_flag)  # before the model loads
+                   args.repetition_penalty)  # before the model loads
     if not 0 <= args.seed < 2**64:  # MLX's seed is an unsigned 64-bit integer
         raise UsageError(f"--seed: expected 0..{2**64 - 1}, found {args.seed}")
-    check_samples(args, temperature_flag)
+    check_samples(args)
     if args.device == "gpu" and args.engine == "llama.cpp":  # its child decodes on the CPU
         raise UsageError("--device gpu: expected --engine mlx or auto (--engine llama.cpp "
                          "decodes on the CPU), found --engine llama.cpp")
@@ -704,11 +702,7 @@ def run(args: Args, temperature_flag: str = "--temperature") -> int:
 
 @console_command("toymlx-generate")
 def main(argv: list[str] | None = None) -> int:
-    from toymlx_cli.usage import flag_as_typed
-
-    typed = flag_as_typed(sys.argv[1:] if argv is None else argv, Args, "temperature")
-    return run_command(PROG, Args, lambda args: run(args, typed or "--temperature"), argv,
-                       (ValueError, OSError, KeyError))
+    return run_command(PROG, Args, run, argv, (ValueError, OSError, KeyError))
 
 
 if __name__ == "__main__":

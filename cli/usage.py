@@ -239,13 +239,33 @@ def _unknown_options(cls: type, argv: list[str]) -> list[str]:
 
 
 def flag_as_typed(argv: list[str], cls: type, name: str) -> str | None:
-    """The option `name` (a field of `cls`) as the command line `argv` spells it at its last use,
-    as tyro takes it: an alias as typed (toymlx-eval's --limit, mlx_lm.evaluate's, for
-    --max-examples), so a line about it names what the user wrote; None where argv does not
-    give it."""
-    at, _ = _given(argv, ["--" + k for k, path in option_table(cls).items() if path == (name,)]
-                   + [a for a, field in short_flags(cls).items() if field == name])
+    """The option `name` (a field of `cls`, dotted where nested) as the command line `argv`
+    spells it at its last use, as tyro takes it: an alias as typed (toymlx-eval's --limit,
+    mlx_lm.evaluate's, for --max-examples; toymlx-generate's -n), so a line about it names what
+    the user wrote; None where argv does not give it."""
+    want = tuple(name.split("."))
+    at, _ = _given(argv, ["--" + k for k, path in option_table(cls).items() if path == want]
+                   + [a for a, field in short_flags(cls).items() if (field,) == want])
     return None if at is None else argv[at].partition("=")[0]
+
+
+LEADING_FLAG = re.compile(r"(?:(?P<path>.*?): )?(?P<flag>--[a-z][a-z0-9.-]*)(?P<rest>[: ].*)",
+                          re.DOTALL)
+"""A line that starts with the flag it refuses, or with a path and then it: `--seed: expected
+...`, `--prompt -: stdin: expected ...`, `PATH: --base: expected ...`."""
+
+
+def line_as_typed(line: str, argv: list[str], cls: type) -> str:
+    """`line` with its leading flag (`LEADING_FLAG`) as the command line `argv` spells that
+    option (`flag_as_typed`: `-n` for --max-tokens, `--temp` for --temperature), where `argv`
+    gives it; any other line unchanged. For a refusal, which a command's checks word with the
+    option's own flag."""
+    m = LEADING_FLAG.fullmatch(line)
+    path = option_table(cls).get(m["flag"][2:].replace("-", "_")) if m else None
+    typed = flag_as_typed(argv, cls, ".".join(path)) if path else None
+    if typed is None:
+        return line
+    return f"{m['path'] + ': ' if m['path'] is not None else ''}{typed}{m['rest']}"
 
 
 def _flags(cls: type) -> dict[str, bool]:

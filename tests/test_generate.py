@@ -454,14 +454,56 @@ def test_a_file_s_value_refused_is_named_by_its_key_unless_a_flag_gave_it(tmp_pa
 @pytest.mark.parametrize("flags, said", [
     (["--temp", "-1"], "--temp: expected a finite number >= 0, found -1.0"),
     (["--temp=nan"], "--temp: expected a finite number >= 0, found nan"),
-    (["--temp", "0", "--num-samples", "2"], ("--num-samples 2: expected --temp > 0, found 0 "
-     "(greedy: every sample would be the same text; drop --num-samples)")),
+    (["--temp", "0", "--num-samples", "2"], ("--temp: expected > 0 with --num-samples 2, "
+     "found 0 (greedy: every sample would be the same text; drop --num-samples)")),
+    (["-n", "-1"], ("-n: expected a count >= 0, found -1; for llama.cpp's -n -1 (on to the "
+     "end) give a large count, e.g. --max-tokens 100000: generation stops at an "
+     "end-of-generation token (or at the model's window, with --no-context-shift)")),
+    (["--max_tokens=-1", "--seed", "1"], ("--max_tokens: expected a count >= 0, found -1; for "
+     "llama.cpp's -n -1 (on to the end) give a large count, e.g. --max-tokens 100000: "
+     "generation stops at an end-of-generation token (or at the model's window, with "
+     "--no-context-shift)")),
+    (["--seed", "1", "-s", "-1"], "-s: expected 0..18446744073709551615, found -1"),
+    (["-s", "1", "--seed", "-1"], "--seed: expected 0..18446744073709551615, found -1"),
+    (["-sys", "\udcff"], "-sys: expected UTF-8 text, found the byte 0xff at character 0"),
+    (["--system-prompt=\udcff"], ("--system-prompt: expected UTF-8 text, found the byte 0xff "
+     "at character 0")),
+    (["--system", "\udcff"], "--system: expected UTF-8 text, found the byte 0xff at character 0"),
 ])
-def test_temp_refused_is_named_as_typed(flags, said, capsys):
-    """--temp (mlx_lm.generate's and llama.cpp's spelling) refused was named --temperature, a
-    flag the user never typed; now as typed, as toymlx-eval names --limit."""
-    assert cli.main(["--model", "nowhere.gguf", *flags]) == 2
+def test_refused_flag_is_named_as_typed(flags, said, capsys):
+    """A refused value was named by its option's own flag (--temperature, --max-tokens, --seed,
+    --system), one the user may never have typed (--temp, -n, -s, -sys, --system-prompt:
+    mlx_lm.generate's and llama-cli's spellings); now as typed, at its last use (tyro's), in
+    the one place every forward command's refusals pass (`line_as_typed`)."""
+    assert cli.main(["--model", "nowhere.gguf", "-p", "hi", *flags]) == 2
     assert capsys.readouterr().err == f"toymlx-generate: error: {said}\n"
+
+
+def test_prompt_from_empty_stdin_is_named_as_typed(monkeypatch, capsys):
+    """-p - over an empty stdin named --prompt -, not typed."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"")))
+    assert cli.main(["--model", "nowhere.gguf", "-p", "-"]) == 2
+    assert capsys.readouterr().err == ("toymlx-generate: error: -p -: expected the prompt's text "
+                                       "on stdin, found it empty (ended at once)\n")
+
+
+def test_samples_refused_for_a_file_s_value_name_its_key(tmp_path, capsys):
+    """A -c file's `temp: 0` (or a `seed:` too high) with --num-samples 2 named --temperature
+    (--seed) in the middle of a line on --num-samples; the line now leads with that option, so
+    it names the file's key (and a flag that gives it over the file, as typed)."""
+    f = tmp_path / "g.yaml"
+    f.write_text("model: nowhere.gguf\nprompt: hi\ntemp: 0\n")
+    why = ("expected > 0 with --num-samples 2, found 0 (greedy: every sample would be the same "
+           "text; drop --num-samples)")
+    assert cli.main(["-c", str(f), "--num-samples", "2"]) == 2
+    assert capsys.readouterr().err == f"toymlx-generate: error: {f}: key 'temp': {why}\n"
+    assert cli.main(["-c", str(f), "--num-samples", "2", "--temperature", "0"]) == 2
+    assert capsys.readouterr().err == f"toymlx-generate: error: --temperature: {why}\n"
+    f.write_text(f"model: nowhere.gguf\nprompt: hi\nseed: {2**64 - 1}\n")
+    assert cli.main(["-c", str(f), "--num-samples", "2"]) == 2
+    assert capsys.readouterr().err == (f"toymlx-generate: error: {f}: key 'seed': expected <= "
+                                       f"{2**64 - 2} with --num-samples 2 (the samples' seeds "
+                                       f"run from it up to {2**64 - 1}), found {2**64 - 1}\n")
 
 
 def test_system_prompt_is_system(stories_path, tmp_path, capsys):
@@ -1346,14 +1388,17 @@ def test_one_sample_prints_no_separator(stories_path, capsys):
     (["--num-samples", str(2**63)], (f"--num-samples: expected a count in 1..1000, found "
      f"{2**63} (more samples: another call with --seed 1000 higher)")),
     (["--num-samples", "3", "--temperature", "0"],
-     ("--num-samples 3: expected --temperature > 0, found 0 (greedy: every sample would be the "
-     "same text; drop --num-samples)")),
+     ("--temperature: expected > 0 with --num-samples 3, found 0 (greedy: every sample would "
+     "be the same text; drop --num-samples)")),
     (["--num-samples", "2", "--chat", "--prompt", ""],
      ("--num-samples 2: expected a --prompt (a --chat conversation answers each turn once), "
      "found none")),
     (["--num-samples", "3", "--seed", str(2**64 - 2)],
-     (f"--num-samples 3: expected --seed + 2 <= {2**64 - 1} (the samples' seeds run from "
-     f"--seed up), found --seed {2**64 - 2}")),
+     (f"--seed: expected <= {2**64 - 3} with --num-samples 3 (the samples' seeds run from it "
+     f"up to {2**64 - 1}), found {2**64 - 2}")),
+    (["--num-samples", "3", "-s", str(2**64 - 2)],
+     (f"-s: expected <= {2**64 - 3} with --num-samples 3 (the samples' seeds run from it "
+     f"up to {2**64 - 1}), found {2**64 - 2}")),
 ])
 def test_num_samples_that_cannot_be_drawn_are_one_line(stories_path, capsys, monkeypatch,
                                                        flags, want):

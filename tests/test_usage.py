@@ -995,3 +995,24 @@ def test_timm_s_model_names_as_the_preset_say_vit_tiny_s_options(capsys, tmp_pat
         "toymlx-train: error: --model.preset: expected one of auto, vit-tiny, vit-tiny-28, "
         f"vit-tiny-8, got {value!r}{want}")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("line, argv, want", [
+    ("--max-tokens: expected a count >= 0, found -1", ["-n", "5", "--max-tokens", "-1"],
+     "--max-tokens: expected a count >= 0, found -1"),
+    ("--max-tokens: expected a count >= 0, found -1", ["--max-tokens", "5", "-n=-1"],
+     "-n: expected a count >= 0, found -1"),
+    ("--prompt -: stdin: expected text", ["-p", "-"], "-p -: stdin: expected text"),
+    ("F.gguf: --model: expected a GGUF", ["--model", "F.gguf"], "F.gguf: --model: expected a GGUF"),
+    ("--temperature: expected > 0", [], "--temperature: expected > 0"),
+    ("--temperature: expected > 0", ["--temp", "0"], "--temp: expected > 0"),
+    ("--top-k: expected >= 0", ["--temp", "0", "--top-k", "-1"], "--top-k: expected >= 0"),
+    ("a line on --temperature: none", ["--temp", "0"], "a line on --temperature: none"),
+])
+def test_a_refusal_names_its_leading_flag_as_typed(line, argv, want):
+    """`line_as_typed` renames a line's leading flag (after a path, if any) to its spelling at its
+    last use on the command line; a flag not given, or not leading, stays as it is."""
+    from toymlx_cli.generate import Args
+    from toymlx_cli.usage import line_as_typed
+
+    assert line_as_typed(line, argv, Args) == want

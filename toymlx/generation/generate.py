@@ -68,14 +68,12 @@ PREFILL_CHUNK = 2048
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int, min_p: float,
-                   repetition_penalty: float | None,
-                   temperature_flag: str = "--temperature") -> None:
-    """ValueError naming the flag of a sampler setting out of its range (nan and inf too);
-    `temperature_flag`: the temperature's flag as the command line spelt it (--temp)."""
+                   repetition_penalty: float | None) -> None:
+    """ValueError naming the flag of a sampler setting out of its range (nan and inf too)."""
     pen = repetition_penalty
     for flag, ok, want, found in [
             ("--top-p", 0.0 < top_p <= 1.0, "in (0, 1]", top_p),
-            (temperature_flag, 0 <= temperature < math.inf, "a finite number >= 0", temperature),
+            ("--temperature", 0 <= temperature < math.inf, "a finite number >= 0", temperature),
             ("--top-k", top_k >= 0, ">= 0 (0: off)", top_k),
             ("--min-p", 0.0 <= min_p < 1.0, "in [0, 1) (0: off)", min_p),
             ("--repetition-penalty", pen is None or 0 < pen < math.inf, "a finite number > 0",
