@@ -601,8 +601,12 @@ def _run_child(cmd: list[str], echo: bool, say: Callable[[str], str] | None = No
     `train` raises (KeyboardInterrupt, BrokenPipeError, the relay's error). `say`: how the
     command's notes are relayed (`_Output.said`); `env`: variables set for it besides."""
     out, text = _Output(say), codecs.getincrementaldecoder("utf-8")(errors="replace")
+    # unbuffered, as a sweep's runs are: its stdout and stderr reach the one pipe in the order
+    # written (a table printed before a refusal came after it, at exit, where stdout was
+    # block-buffered), and each line as it is written
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             env={**child_env(), CALLER_ENV: CALLER, **(env or {})},
+                             env={**child_env(), "PYTHONUNBUFFERED": "1", CALLER_ENV: CALLER,
+                                  **(env or {})},
                              start_new_session=True)
     assert child.stdout is not None
     fd, relaying = child.stdout.fileno(), echo
