@@ -193,3 +193,59 @@ def test_the_cache_keeps_the_most_recently_opened_files(tmp_path, vocab_parses):
     GGUFFile(paths[-1]).close()
     GGUFFile(paths[0]).close()  # dropped first: parsed again
     assert vocab_parses == {p.name: 2 if p == paths[0] else 1 for p in paths}
+
+
+@pytest.fixture
+def sliced_file(tmp_path) -> Path:
+    """A GGUF of a Q8_0 matrix (40 x 64), an F16 3-D tensor (3 x 5 x 32) and an F32 vector."""
+    from toymlx.gguf.writer import encode_tensor
+
+    rng = np.random.default_rng(0)
+    tensors = {"m.weight": encode_tensor("m.weight", rng.normal(size=(40, 64)).astype(np.float32),
+                                         "q8_0"),
+               "e.weight": rng.normal(size=(3, 5, 32)).astype(np.float16),
+               "n.weight": rng.normal(size=(64,)).astype(np.float32)}
+    return write_gguf(tmp_path / "sliced.gguf", {"general.architecture": "llama"}, tensors,
+                      digest=False)
+
+
+@pytest.mark.parametrize("want", ["float32", "bfloat16", "float16"])
+def test_a_tensor_loaded_a_slice_at_a_time_equals_it_loaded_whole(sliced_file, monkeypatch,
+                                                                  want):
+    """`float_weight` decodes a tensor of more than SLICE_VALUES values by slices of rows into
+    the array MLX holds: the same values, dtype and shape as the whole tensor decoded at once,
+    however the slices fall (7 rows of 64, 1 of 32, a last slice shorter than the others)."""
+    from toymlx.gguf import llama
+
+    g = GGUFFile(sliced_file)
+    dtype = getattr(mx, want)
+    for name, per in (("m.weight", 7 * 64), ("e.weight", 32), ("e.weight", 4 * 32),
+                      ("n.weight", 8)):
+        whole = g.load(name, np.float16 if want == "float16" else np.float32)
+        monkeypatch.setattr(llama, "SLICE_VALUES", per)
+        w = llama.float_weight(g, name, dtype)
+        assert w.dtype == dtype and w.shape == whole.shape, name
+        assert np.array_equal(np.array(w.astype(mx.float32)),
+                              np.array(mx.array(whole).astype(dtype).astype(mx.float32))), name
+        assert np.array_equal(g.load(name, rows=(2, 5)),
+                              g.load(name).reshape(-1, whole.shape[-1])[2:5]), name
+
+
+def test_a_nan_in_a_later_slice_is_named_at_its_place_in_the_tensor(sliced_file, monkeypatch):
+    """A NaN decoded in a slice of rows is refused with its index in the whole tensor (expert,
+    row, column) and the rows of the slice it was found in."""
+    from toymlx.gguf import llama
+    from toymlx.gguf.reader import GGUFError
+
+    info = GGUFFile(sliced_file).tensors["e.weight"]
+    at = info.offset + 2 * (2 * 5 * 32 + 3 * 32 + 7)  # expert 2, row 3, column 7 (F16)
+    with open(sliced_file, "r+b") as f:
+        f.seek(at)
+        f.write(np.float16("nan").tobytes())
+    monkeypatch.setattr(llama, "SLICE_VALUES", 4 * 32)
+    with pytest.raises(GGUFError) as e:
+        llama.float_weight(GGUFFile(sliced_file), "e.weight", mx.float32)
+    assert str(e.value) == (
+        f"{sliced_file}: tensor 'e.weight': expected finite values, found NaN in 1 of the 96 values "
+        "of rows 12-14 (the first, nan, at (2, 3, 7)); the file is damaged or was written from "
+        "a model that diverged: use another copy of it")

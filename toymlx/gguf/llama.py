@@ -916,13 +916,43 @@ def load_llama_weights(g: GGUFFile, model: Llama, weights: str = "float32",
                                                                            bias))
         else:  # norms and biases (1-D) stay float32
             want = mx.float32 if len(g.tensors[name].shape) == 1 or name in trained else dtype
-            w = mx.array(g.load(name, np.float16 if want == mx.float16 else np.float32))
-            w = w if w.dtype == want else w.astype(want)
-            mx.eval(w)  # the copy made now, so the mapping's pages can go
-            loaded.append((key, w))
+            loaded.append((key, float_weight(g, name, want)))
         g.release(name)
     model.load_weights(loaded, strict=False)  # every shape was checked by check_shapes
     mx.eval(model.parameters())
+
+
+SLICE_VALUES = 2**22
+"""Values `float_weight` decodes at a time (16 MiB as float32)."""
+
+
+def float_weight(g: GGUFFile, name: str, want: mx.Dtype) -> mx.array:
+    """Tensor `name` of `g` as an MLX array of dtype `want`, evaluated. A tensor of more than
+    `SLICE_VALUES` values is decoded a slice of rows at a time into the array MLX holds (each
+    slice written in place: the array's buffer is donated to the update; the slice's pages of
+    the file mapping dropped once read), so its load holds the array and one slice. Decoded
+    whole, numpy's float32 copy, the decoder's temporaries, the mapped tensor and MLX's copy
+    were alive at once: the Llama-3.2-1B shape's Q6_K token table (384 MiB as float32) peaked
+    464 MiB over its array, sliced 71 (session 61), and a float-held base (`--base-dtype`)
+    whose table is most of it (Gemma 4's per-layer one) peaked while it loaded."""
+    info = g.tensors[name]
+    n_in = info.shape[-1]
+    n_rows = info.n_elements // n_in
+    step = max(1, SLICE_VALUES // n_in)
+    decoded = np.float16 if want == mx.float16 else np.float32
+    if n_rows <= step:
+        w = mx.array(g.load(name, decoded))
+        w = w if w.dtype == want else w.astype(want)
+        mx.eval(w)  # the copy made now, so the mapping's pages can go
+        return w
+    w = mx.zeros((n_rows, n_in), dtype=want)
+    for start in range(0, n_rows, step):
+        rows = (start, min(start + step, n_rows))
+        part = mx.array(g.load(name, decoded, rows=rows))
+        w[start:rows[1]] = part if part.dtype == want else part.astype(want)
+        mx.eval(w)
+        g.release(name, rows)  # its pages of the mapping, read
+    return w.reshape(info.shape)
 
 
 EMBEDDINGS = ("token_embd.weight", "per_layer_token_embd.weight")

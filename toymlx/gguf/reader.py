@@ -130,12 +130,15 @@ def tensor_label(name: str) -> str:
 
 
 def check_finite(path: str, name: str, values: np.ndarray, what: str = "values",
-                 rows: tuple[int, ...] | None = None) -> None:
+                 rows: tuple[int, ...] | None = None,
+                 within: tuple[tuple[int, ...], int] | None = None) -> None:
     """GGUFError (one line: the file, the tensor and its block, how many values are NaN or
     infinite, and where the first one is) unless every one of `values` is finite: `values` are
-    tensor `name`'s decoded values (the first's index in them) or its blocks' scales (`what`),
-    led by (row, block) with `rows` the tensor's leading dimensions, (experts, out) or (out,):
-    the first's expert, row and block. Integer arrays pass."""
+    tensor `name`'s decoded values (the first's index in them; with `within`, (the tensor's
+    shape, the row of its leading dimensions flattened that `values` start at): its index in
+    the tensor) or its blocks' scales (`what`), led by (row, block) with `rows` the tensor's
+    leading dimensions, (experts, out) or (out,): the first's expert, row and block. Integer
+    arrays pass."""
     if values.dtype.kind != "f" or np.isfinite(values).all():
         return
     bad = ~np.isfinite(values)
@@ -143,14 +146,20 @@ def check_finite(path: str, name: str, values: np.ndarray, what: str = "values",
     v = values[first]
     kinds = "/".join(k for k, m in (("NaN", np.isnan(values)), ("+Inf", values == np.inf),
                                     ("-Inf", values == -np.inf)) if m.any())
-    if rows is None:
+    of = str(values.size)
+    if within is not None:  # a slice of rows: the first's index in the whole tensor
+        shape, row = within
+        flat = row * shape[-1] + int(np.ravel_multi_index(first, values.shape))
+        at = str(tuple(int(i) for i in np.unravel_index(flat, shape)))
+        of = f"the {values.size} values of rows {row}-{row + len(values) - 1}"
+    elif rows is None:
         at = str(tuple(int(i) for i in first))
     else:  # (row, block, the codec's fields...): the row as the tensor's leading dimensions
         lead = np.unravel_index(int(first[0]), rows)
         names = ("expert", "row") if len(rows) == 2 else ("row",)
         at = ", ".join(f"{n} {int(i)}" for n, i in zip(names, lead)) + f", block {int(first[1])}"
     raise GGUFError(f"{path}: tensor {tensor_label(name)}: expected finite {what}, found "
-                    f"{kinds} in {int(bad.sum())} of {values.size} (the first, {v}, at "
+                    f"{kinds} in {int(bad.sum())} of {of} (the first, {v}, at "
                     f"{at}); the file is damaged or was written from a model that diverged: "
                     "use another copy of it")
 
@@ -463,12 +472,21 @@ class GGUFFile:
         tensors at all, that it is a vocabulary-only GGUF (as llama.cpp's ggml-vocab-*.gguf)."""
         return "missing" if self.tensors else f"missing: {VOCAB_ONLY}"
 
-    def load(self, name: str, dtype=np.float32) -> np.ndarray:
-        """Tensor `name` decoded to `dtype` in numpy (out, in) order; exact for float types."""
+    def load(self, name: str, dtype=np.float32, rows: tuple[int, int] | None = None
+             ) -> np.ndarray:
+        """Tensor `name` decoded to `dtype` in numpy (out, in) order; exact for float types.
+        With `rows` (start, stop), only those rows of its leading dimensions flattened, as a
+        (stop - start, in) array: a loader decodes a large tensor a slice at a time
+        (`toymlx.gguf.llama.float_weight`)."""
         info = self._info(name)
         raw = self.raw(name)
         t = info.type
         T = GGMLQuantizationType
+        block, tsize = GGML_QUANT_SIZES[t]
+        row_bytes = info.shape[-1] // block * tsize
+        if rows is not None:
+            start, stop = rows
+            raw = raw[start * row_bytes: stop * row_bytes]
         if t == T.F32:
             out = raw.view("<f4")
         elif t == T.F16:
@@ -482,16 +500,18 @@ class GGUFFile:
         else:
             from gguf.quants import dequantize
 
-            block, tsize = GGML_QUANT_SIZES[t]
-            row_bytes = info.shape[-1] // block * tsize
             try:
                 with np.errstate(invalid="ignore", over="ignore"):  # check_finite names them
                     out = dequantize(raw.reshape(-1, row_bytes), t)
             except NotImplementedError:
                 raise GGUFError(f"{self.path}: tensor {name!r} type: expected a type gguf-py can "
                                 f"dequantize, found {t.name}") from None
-        out = out.reshape(info.shape)
-        check_finite(self.path, name, out)  # as decoded: a cast to float16 may overflow
+        if rows is None:
+            out = out.reshape(info.shape)
+            check_finite(self.path, name, out)  # as decoded: a cast to float16 may overflow
+        else:
+            out = out.reshape(-1, info.shape[-1])
+            check_finite(self.path, name, out, within=(info.shape, rows[0]))
         return np.asarray(out, dtype=dtype)
 
     def verify_digest(self) -> None:
@@ -510,15 +530,22 @@ class GGUFFile:
             raise GGUFError(f"{where}: tensor data: expected sha256 {want[:16]} (recorded "
                             f"when it was written), found {got[:16]}: the file is damaged")
 
-    def release(self, name: str) -> None:
+    def release(self, name: str, rows: tuple[int, int] | None = None) -> None:
         """Drop tensor `name`'s pages of the file mapping from this process (they stay in the
         page cache and fault back in if read again): a loader that has copied a tensor into
-        MLX calls this, so a whole model is not resident twice (mapping + copy)."""
+        MLX calls this, so a whole model is not resident twice (mapping + copy). With `rows`
+        (start, stop), the pages of those rows of its leading dimensions flattened (as `load`
+        reads them)."""
         info = self._info(name)
         mm = self.parts[info.part]._mm
+        first, size = info.offset, info.nbytes
+        if rows is not None:
+            block, tsize = GGML_QUANT_SIZES[info.type]
+            row_bytes = info.shape[-1] // block * tsize
+            first, size = info.offset + rows[0] * row_bytes, (rows[1] - rows[0]) * row_bytes
         page = mmap.PAGESIZE
-        start = info.offset // page * page
-        end = min(-(-(info.offset + info.nbytes) // page) * page, len(mm))
+        start = first // page * page
+        end = min(-(-(first + size) // page) * page, len(mm))
         if end > start and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
             mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
