@@ -297,19 +297,25 @@ def test_q4_k_as_mlx_quantized_layers_holds_the_file_exactly(llama_cpp_files):
     assert mx.abs(model(tokens) - flt(tokens)).max().item() < 1e-4
 
 
-def test_a_block_held_tensors_pages_go_before_mlx_copies_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("slice_values", [None, 64])
+def test_a_block_held_tensors_pages_go_before_mlx_copies_it(tmp_path, monkeypatch,
+                                                             slice_values):
     """A block-held tensor's pages of the file mapping are dropped once its codec's arrays are
     split out (copies), before MLX copies those: the tensor resident twice while it loads, not
-    three times. Gemma 4 E2B's shape (its 1.8 GiB Q6_K per-layer table) peaked at 6,056 MiB of
-    RSS while loading, above its training step's."""
+    three times; a tensor of more than `SLICE_VALUES` values a slice of rows at a time, each
+    slice's pages dropped after its split. Gemma 4 E2B's shape (its 1.8 GiB Q6_K per-layer
+    table) peaked at 6,056 MiB of RSS while loading, above its training step's."""
     from toymlx.gguf import llama
 
     path = quantized_file(tmp_path / "q8.gguf", [T.Q8_0])
+    want = load_llama(path, TRAINING, "blocks")[0]
+    if slice_values:
+        monkeypatch.setattr(llama, "SLICE_VALUES", slice_values)
     events = []
     release = GGUFFile.release
     monkeypatch.setattr(GGUFFile, "release",
-                        lambda self, name: (events.append(("release", name)),
-                                            release(self, name))[1])
+                        lambda self, name, rows=None: (events.append(("release", name, rows)),
+                                                       release(self, name, rows))[1])
     split = llama.split_rows
     monkeypatch.setattr(llama, "split_rows",
                         lambda codec, raw, shape: (events.append(("split", shape)),
@@ -323,12 +329,22 @@ def test_a_block_held_tensors_pages_go_before_mlx_copies_it(tmp_path, monkeypatc
         return out
 
     monkeypatch.setattr(llama, "_block_layer", layer)
-    load_llama(path, TRAINING, "blocks")
-    held = [name for kind, name in events if kind == "layer"]
+    model = load_llama(path, TRAINING, "blocks")[0]
+    held = [e[1] for e in events if e[0] == "layer"]
     assert "token_embd.weight" in held and "blk.0.attn_q.weight" in held
+    sliced = False
     for name in held:
-        at = events.index(("layer", name))
-        # the split, then the release, all before _block_layer returns the MLX copies
-        assert events[at + 1][0] == "split"
-        assert events[at + 2] == ("release", name), events[at:at + 4]
-        assert events[at + 3] == ("copied", name)
+        at, end = events.index(("layer", name)), events.index(("copied", name))
+        shape = GGUFFile(path).tensors[name].shape
+        n_rows, step = int(np.prod(shape[:-1])), max(1, (slice_values or 2**62) // shape[-1])
+        slices = [(s, min(s + step, n_rows)) for s in range(0, n_rows, step)]
+        # each slice split, then its pages released, before MLX copies it (in loaded_rows)
+        splits = [i for i in range(at, end) if events[i][0] == "split"]
+        assert [events[i][1][0] for i in splits] == [b - a for a, b in slices], name
+        for i, rows in zip(splits, slices):
+            assert events[i + 1] == ("release", name, None if len(slices) == 1 else rows)
+        sliced |= len(slices) > 1
+    assert sliced == bool(slice_values)
+    for (k, a), (_, b) in zip(sorted(tree_flatten(model.parameters())),
+                              sorted(tree_flatten(want.parameters()))):
+        assert np.array_equal(np.array(a), np.array(b)), k

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -923,36 +923,52 @@ def load_llama_weights(g: GGUFFile, model: Llama, weights: str = "float32",
 
 
 SLICE_VALUES = 2**22
-"""Values `float_weight` decodes at a time (16 MiB as float32)."""
+"""Values of a tensor `loaded_rows` reads at a time (16 MiB as float32)."""
+
+
+def loaded_rows(g: GGUFFile, name: str,
+                read: Callable[[tuple[int, int] | None], dict[str, mx.array]]
+                ) -> dict[str, mx.array]:
+    """Tensor `name` of `g` as the MLX arrays `read` makes of its rows ((start, stop) of its
+    leading dimensions flattened, or None for all of them), evaluated, its pages of the file
+    mapping dropped. A tensor of more than `SLICE_VALUES` values is read a slice of rows at a
+    time into arrays allocated whole (each slice written in place: an array's buffer is donated
+    to the update; the slice's pages dropped once read), so its load holds those arrays and one
+    slice. Read whole, the decoded or split numpy copy, the decoder's temporaries, the mapped
+    tensor and MLX's copy were alive at once: the Llama-3.2-1B shape's Q6_K token table peaked
+    464 MiB over its 384 MiB float32 array, sliced 71 (session 61); Gemma 4 E2B's 1.8 GiB
+    per-layer table held in blocks made the load its run's peak (6,056 MiB of RSS against its
+    step's 5,040 by MLX) until its split copy's pages were dropped before MLX copied it
+    (session 60)."""
+    info = g.tensors[name]
+    n_rows = info.n_elements // info.shape[-1]
+    step = max(1, SLICE_VALUES // info.shape[-1])
+    if n_rows <= step:
+        whole = read(None)
+        mx.eval(whole)
+        g.release(name)
+        return whole
+    held: dict[str, mx.array] = {}
+    for start in range(0, n_rows, step):
+        rows = (start, min(start + step, n_rows))
+        for k, part in read(rows).items():
+            if k not in held:
+                held[k] = mx.zeros((n_rows, *part.shape[1:]), dtype=part.dtype)
+            held[k][start:rows[1]] = part
+        mx.eval(held)
+        g.release(name, rows)
+    return held
 
 
 def float_weight(g: GGUFFile, name: str, want: mx.Dtype) -> mx.array:
-    """Tensor `name` of `g` as an MLX array of dtype `want`, evaluated. A tensor of more than
-    `SLICE_VALUES` values is decoded a slice of rows at a time into the array MLX holds (each
-    slice written in place: the array's buffer is donated to the update; the slice's pages of
-    the file mapping dropped once read), so its load holds the array and one slice. Decoded
-    whole, numpy's float32 copy, the decoder's temporaries, the mapped tensor and MLX's copy
-    were alive at once: the Llama-3.2-1B shape's Q6_K token table (384 MiB as float32) peaked
-    464 MiB over its array, sliced 71 (session 61), and a float-held base (`--base-dtype`)
-    whose table is most of it (Gemma 4's per-layer one) peaked while it loaded."""
-    info = g.tensors[name]
-    n_in = info.shape[-1]
-    n_rows = info.n_elements // n_in
-    step = max(1, SLICE_VALUES // n_in)
+    """Tensor `name` of `g` decoded to an MLX array of dtype `want` (`loaded_rows`)."""
     decoded = np.float16 if want == mx.float16 else np.float32
-    if n_rows <= step:
-        w = mx.array(g.load(name, decoded))
-        w = w if w.dtype == want else w.astype(want)
-        mx.eval(w)  # the copy made now, so the mapping's pages can go
-        return w
-    w = mx.zeros((n_rows, n_in), dtype=want)
-    for start in range(0, n_rows, step):
-        rows = (start, min(start + step, n_rows))
-        part = mx.array(g.load(name, decoded, rows=rows))
-        w[start:rows[1]] = part if part.dtype == want else part.astype(want)
-        mx.eval(w)
-        g.release(name, rows)  # its pages of the mapping, read
-    return w.reshape(info.shape)
+
+    def read(rows: tuple[int, int] | None) -> dict[str, mx.array]:
+        w = mx.array(g.load(name, decoded, rows=rows))
+        return {"w": w if w.dtype == want else w.astype(want)}
+
+    return loaded_rows(g, name, read)["w"].reshape(g.tensors[name].shape)
 
 
 EMBEDDINGS = ("token_embd.weight", "per_layer_token_embd.weight")
@@ -966,15 +982,17 @@ def _block_layer(g: GGUFFile, name: str, ops: Ops, bias: str | None = None
     `bias`, if given)."""
     info = g.tensors[name]
     codec = CODECS[info.type]
-    parts = split_rows(codec, g.raw(name), info.shape)
-    # the split arrays are copies: the mapping's pages go before MLX copies them, so a tensor
-    # is resident twice while it loads, not three times (Gemma 4 E2B's 1.8 GiB per-layer table
-    # made the load the run's peak: 6,056 MiB of RSS against its step's 5,040 MiB by MLX)
-    g.release(name)
-    for k, v in parts.items():  # the scales (float16 fields); the codes are integers
-        check_finite(g.path, name, v, f"block scales ({k!r})", rows=info.shape[:-1])
-    blocks = {k: mx.array(v) for k, v in parts.items()}
-    mx.eval(blocks)  # copied now, so the mapping's pages can go
+
+    def read(rows: tuple[int, int] | None) -> dict[str, mx.array]:
+        n = info.n_elements // info.shape[-1] if rows is None else rows[1] - rows[0]
+        parts = split_rows(codec, g.raw(name, rows), (n, info.shape[-1]))
+        g.release(name, rows)  # the split arrays are copies: the mapped rows' pages can go
+        for k, v in parts.items():  # the scales (float16 fields); the codes are integers
+            check_finite(g.path, name, v, f"block scales ({k!r})", rows=info.shape[:-1],
+                         start=None if rows is None else rows[0])
+        return {k: mx.array(v) for k, v in parts.items()}
+
+    blocks = loaded_rows(g, name, read)
     if len(info.shape) == 3:
         return BlockExperts(codec, blocks, *info.shape, ops)
     n_out, n_in = info.shape

@@ -130,15 +130,15 @@ def tensor_label(name: str) -> str:
 
 
 def check_finite(path: str, name: str, values: np.ndarray, what: str = "values",
-                 rows: tuple[int, ...] | None = None,
-                 within: tuple[tuple[int, ...], int] | None = None) -> None:
+                 rows: tuple[int, ...] | None = None, start: int | None = None) -> None:
     """GGUFError (one line: the file, the tensor and its block, how many values are NaN or
-    infinite, and where the first one is) unless every one of `values` is finite: `values` are
-    tensor `name`'s decoded values (the first's index in them; with `within`, (the tensor's
-    shape, the row of its leading dimensions flattened that `values` start at): its index in
-    the tensor) or its blocks' scales (`what`), led by (row, block) with `rows` the tensor's
-    leading dimensions, (experts, out) or (out,): the first's expert, row and block. Integer
-    arrays pass."""
+    infinite, and where the first one is) unless every one of `values` is finite. `values` are
+    tensor `name`'s decoded values (`what` "values": the first's index in them), or its blocks'
+    fields (`what` names them, "block scales ('d')"), led by (row, block) with `rows` the
+    tensor's leading dimensions, (experts, out) or (out,): the first's expert, row and block.
+    With `start`, `values` are the rows of the tensor's leading dimensions flattened from row
+    `start` on (a loader's slice; decoded, (rows, in)): the first is named at its place in the
+    tensor, and the count is the slice's. Integer arrays pass."""
     if values.dtype.kind != "f" or np.isfinite(values).all():
         return
     bad = ~np.isfinite(values)
@@ -147,17 +147,18 @@ def check_finite(path: str, name: str, values: np.ndarray, what: str = "values",
     kinds = "/".join(k for k, m in (("NaN", np.isnan(values)), ("+Inf", values == np.inf),
                                     ("-Inf", values == -np.inf)) if m.any())
     of = str(values.size)
-    if within is not None:  # a slice of rows: the first's index in the whole tensor
-        shape, row = within
-        flat = row * shape[-1] + int(np.ravel_multi_index(first, values.shape))
-        at = str(tuple(int(i) for i in np.unravel_index(flat, shape)))
-        of = f"the {values.size} values of rows {row}-{row + len(values) - 1}"
-    elif rows is None:
+    if start is not None:  # a slice of rows
+        of = f"the {values.size} in rows {start}-{start + len(values) - 1}"
+    if rows is None:
         at = str(tuple(int(i) for i in first))
-    else:  # (row, block, the codec's fields...): the row as the tensor's leading dimensions
-        lead = np.unravel_index(int(first[0]), rows)
-        names = ("expert", "row") if len(rows) == 2 else ("row",)
-        at = ", ".join(f"{n} {int(i)}" for n, i in zip(names, lead)) + f", block {int(first[1])}"
+    else:  # the row as the tensor's leading dimensions, then the column or (block, fields...)
+        lead = np.unravel_index((start or 0) + int(first[0]), rows)
+        if what == "values":
+            at = str(tuple(int(i) for i in (*lead, first[1])))
+        else:
+            names = ("expert", "row") if len(rows) == 2 else ("row",)
+            at = (", ".join(f"{n} {int(i)}" for n, i in zip(names, lead))
+                  + f", block {int(first[1])}")
     raise GGUFError(f"{path}: tensor {tensor_label(name)}: expected finite {what}, found "
                     f"{kinds} in {int(bad.sum())} of {of} (the first, {v}, at "
                     f"{at}); the file is damaged or was written from a model that diverged: "
@@ -455,11 +456,21 @@ class GGUFFile:
         return v
 
     # ---- tensor data ------------------------------------------------------------------
-    def raw(self, name: str) -> np.ndarray:
-        """Tensor `name`'s bytes as stored, a view of the mapping of the part holding it."""
+    def raw(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """Tensor `name`'s bytes as stored, a view of the mapping of the part holding it; with
+        `rows` (start, stop), those rows' of its leading dimensions flattened."""
         info = self._info(name)
-        return np.frombuffer(self.parts[info.part]._mm, dtype=np.uint8, count=info.nbytes,
-                             offset=info.offset)
+        first, size = self._span(info, rows)
+        return np.frombuffer(self.parts[info.part]._mm, dtype=np.uint8, count=size, offset=first)
+
+    @staticmethod
+    def _span(info: TensorInfo, rows: tuple[int, int] | None) -> tuple[int, int]:
+        """(offset, bytes) of a tensor's data, or of `rows` of it (`raw`, `release`)."""
+        if rows is None:
+            return info.offset, info.nbytes
+        block, tsize = GGML_QUANT_SIZES[info.type]
+        row_bytes = info.shape[-1] // block * tsize
+        return info.offset + rows[0] * row_bytes, (rows[1] - rows[0]) * row_bytes
 
     def _info(self, name: str) -> TensorInfo:
         if name not in self.tensors:
@@ -479,14 +490,9 @@ class GGUFFile:
         (stop - start, in) array: a loader decodes a large tensor a slice at a time
         (`toymlx.gguf.llama.float_weight`)."""
         info = self._info(name)
-        raw = self.raw(name)
+        raw = self.raw(name, rows)
         t = info.type
         T = GGMLQuantizationType
-        block, tsize = GGML_QUANT_SIZES[t]
-        row_bytes = info.shape[-1] // block * tsize
-        if rows is not None:
-            start, stop = rows
-            raw = raw[start * row_bytes: stop * row_bytes]
         if t == T.F32:
             out = raw.view("<f4")
         elif t == T.F16:
@@ -500,6 +506,8 @@ class GGUFFile:
         else:
             from gguf.quants import dequantize
 
+            block, tsize = GGML_QUANT_SIZES[t]
+            row_bytes = info.shape[-1] // block * tsize
             try:
                 with np.errstate(invalid="ignore", over="ignore"):  # check_finite names them
                     out = dequantize(raw.reshape(-1, row_bytes), t)
@@ -511,7 +519,7 @@ class GGUFFile:
             check_finite(self.path, name, out)  # as decoded: a cast to float16 may overflow
         else:
             out = out.reshape(-1, info.shape[-1])
-            check_finite(self.path, name, out, within=(info.shape, rows[0]))
+            check_finite(self.path, name, out, rows=info.shape[:-1], start=rows[0])
         return np.asarray(out, dtype=dtype)
 
     def verify_digest(self) -> None:
@@ -538,11 +546,7 @@ class GGUFFile:
         reads them)."""
         info = self._info(name)
         mm = self.parts[info.part]._mm
-        first, size = info.offset, info.nbytes
-        if rows is not None:
-            block, tsize = GGML_QUANT_SIZES[info.type]
-            row_bytes = info.shape[-1] // block * tsize
-            first, size = info.offset + rows[0] * row_bytes, (rows[1] - rows[0]) * row_bytes
+        first, size = self._span(info, rows)
         page = mmap.PAGESIZE
         start = first // page * page
         end = min(-(-(first + size) // page) * page, len(mm))
