@@ -163,6 +163,34 @@ def test_lock_is_owned_by_a_live_process_and_dies_with_it(tmp_path):
     assert not path.exists() and lock is not None  # released and removed
 
 
+def test_a_lock_holder_ended_by_end_child_leaves_no_pipe_to_the_garbage_collector(tmp_path):
+    """A holder's stdout pipe (text) was never closed where the test ended the holder itself
+    (`kill`, `wait`) or `end_child` killed it: a ResourceWarning "unclosed file
+    <_io.TextIOWrapper name=12>" at the next garbage collection, in whichever test came later
+    (test_api's check of its own pipes, run after this file). Both now leave the pipe closed."""
+    import gc
+    import warnings
+
+    def holder(name: str) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / name)],
+                             stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline() == "held\n"
+        return p
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        killed, ended = holder("a.lock"), holder("b.lock")
+        ended.kill()  # as a test kills a holder to show that its lock dies with it
+        ended.wait()
+        for p in (killed, ended):
+            end_child(p)
+        assert (killed.returncode, ended.returncode) == (-signal.SIGKILL, -signal.SIGKILL)
+        assert (killed.stdout.closed, ended.stdout.closed) == (True, True)
+        del killed, ended, p
+        gc.collect()
+    assert [str(w.message) for w in caught if w.category is ResourceWarning] == []
+
+
 # ---------------------------------------------------------------- the live view
 
 def test_a_resumed_runs_steps_per_s_counts_only_the_steps_it_trains():
