@@ -1709,6 +1709,60 @@ def test_a_second_sweep_of_one_id_is_refused_while_the_first_runs(tmp_path, caps
         end_child(first)
 
 
+def test_a_sweep_of_another_split_of_one_id_is_refused_while_the_first_runs(tmp_path, capsys):
+    """`--shard 0/2` started beside a running `--shard 0/1` of one sweep folder ran: each
+    run's lock kept a run from training twice at once, but the two split the runs
+    differently, each taking runs the other counted as its own. It is refused before it writes
+    anything, naming the folder, the running split and its pid, and what to do (a share of
+    that split no sweep runs, where there is one); a first killed (-9) blocks nothing, another
+    shard of the same split runs beside it, and a later sweep of another split, once the first
+    has ended, runs what is left."""
+    from cli_errors import error_line
+
+    from toymlx.sweeps.supervisor import shard_lock
+
+    specs = sweep.grid([*TINY, "--steps", "1"], {"lr": [2e-3, 3e-3]})
+    folder = tmp_path / "s"
+    (folder / ".locks").mkdir(parents=True)
+    hold = "; ".join(HOLD.strip().splitlines())
+    first = subprocess.Popen([sys.executable, "-c", hold, str(folder / ".locks" /
+                                                            shard_lock((0, 1)))],
+                             stdout=subprocess.PIPE, text=True)
+
+    def run(shard):
+        return sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="s", shard=shard,
+                               progress=False, report_png=False)
+
+    try:
+        assert first.stdout.readline().strip() == "held"
+        before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+        with pytest.raises(ValueError) as e:
+            run((0, 2))
+        said = str(e.value)
+        assert said.startswith(f"{folder}: --shard: expected the split of the sweep running "
+                               f"there (0/1, process {first.pid} ("), said
+        assert said.endswith(f"), found 0/2, which shares its runs out otherwise; wait for it to "
+                             f"end, or stop it first (kill -INT {first.pid})"), said
+        assert sweep_main(["--recipe", "from-scratch", "--grid", "lr=2e-3,3e-3", "--runs-root",
+                           str(tmp_path), "--sweep-id", "s", "--shard", "0/2", "--no-progress",
+                           "--no-report", *TINY, "--steps", "1"]) == 2
+        assert error_line(capsys, "toymlx-sweep") == f"toymlx-sweep: error: {said}"
+        assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before
+        first.kill()  # kill -9: its lock file stays, held by no one
+        first.wait()
+    finally:
+        end_child(first)
+    assert (folder / ".locks" / shard_lock((0, 1))).exists()
+    with acquire(folder / ".locks" / shard_lock((0, 3)), "a sweep of shard 0/3"), \
+            pytest.raises(ValueError) as e:
+        run((0, 2))
+    assert str(e.value).endswith(f"(kill -INT {os.getpid()}), or give one of --shard 1/3, 2/3 "
+                                 "(no sweep runs them now)"), str(e.value)
+    with acquire(folder / ".locks" / shard_lock((1, 2)), "a sweep of shard 1/2"):
+        assert run((0, 2)).states == {"lr=0.002": "done"}  # the same split: beside it
+    assert run((0, 1)).states == {"lr=0.002": "skipped", "lr=0.003": "done"}
+
+
 @pytest.mark.parametrize("sig, line, code", [
     (signal.SIGINT, "interrupted", 130), (signal.SIGTERM, "stopped by SIGTERM", 143)])
 def test_a_stop_while_the_summary_is_written_is_one_line_and_no_half_file(
