@@ -68,7 +68,7 @@ def parse_options(cls: type, argv: list[str], prog: str, default: Any = None,
     try:
         check_no_empty_text(options)
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(line_as_typed(str(e), argv, cls)) from None
     return options
 
 

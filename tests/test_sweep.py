@@ -1670,6 +1670,24 @@ def test_a_sweep_file_key_that_does_not_apply_is_refused_a_run_config_is_not(
     assert (saved["fine_tune_type"], saved["lr"], saved["steps"]) == ("full", 1e-3, 1)
 
 
+def test_a_run_s_value_refused_names_its_flag_as_typed(tmp_path, capsys):
+    """Every run's `--weight_decay=-1` (HF's and mlx-lm's spelling, after `--`) was refused as
+    `--weight-decay`, a flag the user never typed; now as typed, as toymlx-train names it. A
+    grid key's flag, which the sweep writes, keeps its own spelling."""
+    from cli_errors import error_line
+
+    argv = ["--recipe", "from-scratch", "--runs-root", str(tmp_path), "--no-progress", *TINY]
+    assert sweep_main([*argv, "--grid", "lr=2e-3", "--", "--weight_decay=-1"]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        "toymlx-sweep: error: run lr=0.002: --weight_decay: expected >= 0, found -1.0; no run was "
+        "started")
+    assert sweep_main([*argv, "--grid", "weight_decay=-1"]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        "toymlx-sweep: error: run weight_decay=-1: --weight-decay: expected >= 0, found -1.0; no "
+        "run was started")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_second_sweep_of_one_id_is_refused_while_the_first_runs(tmp_path, capsys):
     """Two sweeps of one id (and shard) at once both ran, the runs split between them, and the
     first to end exited 0 with a partial summary. The second is refused before it writes

@@ -997,6 +997,28 @@ def test_timm_s_model_names_as_the_preset_say_vit_tiny_s_options(capsys, tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("args, want", [
+    (["--weight_decay=-1"], "--weight_decay: expected >= 0, found -1.0"),
+    (["--batch_size", "0"], "--batch_size: expected >= 1, found 0"),
+    (["--eval_every", "-1"], "--eval_every: expected >= 0, found -1"),
+    (["--run_id", ""], ("--run_id: expected a non-empty folder name, got an empty string; omit "
+                        "--run-id for its default (<timestamp>-<recipe>)")),
+    (["--weight_decay", "abc"], "--weight_decay: expected a number, got 'abc'"),
+    (["--learning_rate", "-1"], (f"--learning_rate: expected an option of {LORA}, got an unknown "
+                                 "one; mlx-lm's --learning_rate is toymlx's --lr")),
+])
+def test_a_train_refusal_names_an_underscored_flag_as_typed(args, want, capsys, tmp_path,
+                                                            monkeypatch):
+    """HF's and mlx-lm's users type --weight_decay, --batch_size (tyro takes them as
+    --weight-decay); a value the recipe's checks refuse (`check_config`, after tyro's parse)
+    was named --weight-decay, a flag they never typed. Now as typed, as tyro's own refusals
+    were; nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["--recipe", "lora", *args]) == 2
+    assert only_line(capsys) == f"toymlx-train: error: {want}"
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("line, argv, want", [
     ("--max-tokens: expected a count >= 0, found -1", ["-n", "5", "--max-tokens", "-1"],
      "--max-tokens: expected a count >= 0, found -1"),
