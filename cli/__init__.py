@@ -277,11 +277,12 @@ def _run_command(prog: str, args_type: type, run: Callable[[Any], int],
     given = argv
 
     def named(e: Exception) -> str:
-        """A refusal naming its option as the user gave it: a -c file's value refused by a
-        later check, by the file's key; else its leading flag as typed (-n, --temp)."""
+        """A refusal naming its options as the user gave them: a -c file's value refused by a
+        later check, by the file's key; each flag the command line gives, as typed (-n,
+        --temp)."""
         line = str(e)
-        keyed = file_key_error(line, keys, config) if config else line
-        return keyed if keyed != line else line_as_typed(line, given, args_type)
+        return line_as_typed(file_key_error(line, keys, config) if config else line, given,
+                             args_type)
 
     try:
         setup_process()

@@ -185,7 +185,7 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
         mlx_lm_parsed,
         mlx_lm_read,
     )
-    from toymlx_cli.usage import parse_options
+    from toymlx_cli.usage import line_as_typed, parse_options
 
     from toymlx.backend.files import empty_folder, nothing_there
     from toymlx.bundle.inputs import data_paths
@@ -226,8 +226,9 @@ def _check_runs(recipe: str, specs: list, run_options: dict | None, path: str | 
                 name_keys = partial(file_key_error, keys=keys, source=path)
             try:
                 check_config(module, cfg, new_run=True, given=given)
-            except ValueError as e:  # as the run's toymlx-train names it: by the file's key
-                raise ValueError(name_keys(str(e))) from None
+            except ValueError as e:  # as the run's toymlx-train names it: by the file's key,
+                # or by its flag as typed (`-- --weight_decay=-1`: --weight_decay)
+                raise ValueError(line_as_typed(name_keys(str(e)), argv, module.Config)) from None
             # a data path that is not there, or an empty folder, failed each run that had it,
             # seconds into its start, the others running (a typo in one grid value found at the
             # end of the sweep); found as toymlx-train says it (`nothing_there`)

@@ -132,7 +132,7 @@ def _main(argv: list[str] | None) -> int:
         mlx_lm_read,
         mlx_lm_table,
     )
-    from toymlx_cli.usage import UsageError, parse_options
+    from toymlx_cli.usage import UsageError, line_as_typed, parse_options
 
     from toymlx.bundle.options import RunError
     from toymlx.recipes import get_recipe
@@ -218,12 +218,17 @@ def _main(argv: list[str] | None) -> int:
     except ValueError as e:
         print(f"toymlx-train: error: {e}", file=sys.stderr)
         return 2
-    # a config file's value refused by a later check is named by the file's key, not the flag
-    # (an mlx-lm file's, as mlx-lm spells it)
-    return run_training(recipe, module, cfg, bundle, config_path, name_keys=(
-        (lambda message: mlx_lm_error(message, rows, config_path)) if mlx_lm else
-        (lambda message: file_key_error(message, file_keys, config_path)) if file_keys
-        else None), notes=notes, given=frozenset(flags_given(rest)) | set(file_keys))
+    def named(message: str) -> str:
+        """A refusal before the first step naming its options as the user gave them: a config
+        file's value by the file's key, not the flag (an mlx-lm file's, as mlx-lm spells it);
+        each flag the command line gives, as typed (`--weight_decay`, HF's and mlx-lm's
+        spelling, was named --weight-decay)."""
+        keyed = (mlx_lm_error(message, rows, config_path) if mlx_lm
+                 else file_key_error(message, file_keys, config_path) if file_keys else message)
+        return line_as_typed(keyed, rest, module.Config)
+
+    return run_training(recipe, module, cfg, bundle, config_path, name_keys=named, notes=notes,
+                        given=frozenset(flags_given(rest)) | set(file_keys))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from typing import Any, Literal, Union
 
 from toymlx_cli import readable_width
 from toymlx_cli.config_file import (
+    FILE_FLAG,
     MLX_LM_COMMAND_KEYS,
     closest_option,
     mlx_lm_hint,
@@ -67,7 +68,7 @@ def parse_options(cls: type, argv: list[str], prog: str, default: Any = None,
     try:
         check_no_empty_text(options)
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(line_as_typed(str(e), argv, cls)) from None
     return options
 
 
@@ -249,23 +250,23 @@ def flag_as_typed(argv: list[str], cls: type, name: str) -> str | None:
     return None if at is None else argv[at].partition("=")[0]
 
 
-LEADING_FLAG = re.compile(r"(?:(?P<path>.*?): )?(?P<flag>--[a-z][a-z0-9.-]*)(?P<rest>[: ].*)",
-                          re.DOTALL)
-"""A line that starts with the flag it refuses, or with a path and then it: `--seed: expected
-...`, `--prompt -: stdin: expected ...`, `PATH: --base: expected ...`."""
-
-
 def line_as_typed(line: str, argv: list[str], cls: type) -> str:
-    """`line` with its leading flag (`LEADING_FLAG`) as the command line `argv` spells that
-    option (`flag_as_typed`: `-n` for --max-tokens, `--temp` for --temperature), where `argv`
-    gives it; any other line unchanged. For a refusal, which a command's checks word with the
-    option's own flag."""
-    m = LEADING_FLAG.fullmatch(line)
-    path = option_table(cls).get(m["flag"][2:].replace("-", "_")) if m else None
-    typed = flag_as_typed(argv, cls, ".".join(path)) if path else None
-    if typed is None:
-        return line
-    return f"{m['path'] + ': ' if m['path'] is not None else ''}{typed}{m['rest']}"
+    """`line` with each flag of an option of `cls` that its refusal proper names (up to its
+    first "; ", `FILE_FLAG`: not inside a path or another word) as the command line `argv`
+    spells that option (`flag_as_typed`: `-n` for --max-tokens, `--temp` for --temperature,
+    `--weight_decay` for --weight-decay), where `argv` gives it; a flag `argv` does not give
+    stays as it is, and so does the advice after the "; ", which names options by their own
+    flags as --help lists them (`mlx_lm.generate's -m is --max-tokens`, not `... is -n`). For a
+    refusal, which a command's checks word with the options' own flags: `--num-samples 2:
+    expected a --prompt` after `-p "" --num-samples 2` named a flag the user never typed."""
+    table = option_table(cls)
+
+    def typed(m: re.Match) -> str:
+        path = table.get(m[1].replace("-", "_"))
+        return (flag_as_typed(argv, cls, ".".join(path)) if path else None) or m[0]
+
+    said, sep, advice = line.partition("; ")
+    return FILE_FLAG.sub(typed, said) + sep + advice
 
 
 def _flags(cls: type) -> dict[str, bool]:

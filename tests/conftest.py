@@ -136,11 +136,16 @@ def home_elsewhere(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
 
 def end_child(p: subprocess.Popen) -> None:
     """A test's `finally` for a child it started (a long training run, a lock holder): kill it
-    if it is still running, then reap it, reading what its open pipes still hold (the pipes a
-    test closed are left alone), so no child outlives a test that failed before it ended."""
+    if it is still running, then reap it, reading what its open pipes still hold, and close
+    them, so no child outlives a test that failed before it ended and no pipe is left to the
+    garbage collector (a ResourceWarning "unclosed file" in whichever later test collected it:
+    test_api's check of its own pipes failed after test_sweep)."""
     if p.poll() is None:
         p.kill()
         for pipe in (p.stdout, p.stderr):
             if pipe is not None and not pipe.closed:
                 pipe.read()
         p.wait()
+    for pipe in (p.stdin, p.stdout, p.stderr):
+        if pipe is not None:
+            pipe.close()

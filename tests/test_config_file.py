@@ -433,7 +433,7 @@ def test_a_file_key_a_later_check_refuses_names_the_file_and_key(tmp_path, capsy
 @pytest.mark.parametrize("argv, flag, found", [
     (["--lora.targets", "q"], "--lora.targets", "'q'"),
     (["--lora.rank=8"], "--lora.rank", "8"),
-    (["--lora.init_adapter", "None"], "--lora.init-adapter", "None"),
+    (["--lora.init_adapter", "None"], "--lora.init_adapter", "None"),  # as typed
 ])
 def test_an_option_given_at_its_default_where_it_does_not_apply_is_named(
         tmp_path, capsys, stories_path, argv, flag, found):

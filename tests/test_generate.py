@@ -469,6 +469,11 @@ def test_a_file_s_value_refused_is_named_by_its_key_unless_a_flag_gave_it(tmp_pa
     (["--system-prompt=\udcff"], ("--system-prompt: expected UTF-8 text, found the byte 0xff "
      "at character 0")),
     (["--system", "\udcff"], "--system: expected UTF-8 text, found the byte 0xff at character 0"),
+    # a second flag of the line, typed short (-p) or with underscores (--num_samples)
+    (["--chat", "-p", "", "--num_samples", "2"], ("--num_samples 2: expected a -p (a --chat "
+     "conversation answers each turn once), found none")),
+    (["--temp", "0", "--num_samples", "2"], ("--temp: expected > 0 with --num_samples 2, found 0 "
+     "(greedy: every sample would be the same text; drop --num-samples)")),
 ])
 def test_refused_flag_is_named_as_typed(flags, said, capsys):
     """A refused value was named by its option's own flag (--temperature, --max-tokens, --seed,

@@ -1480,10 +1480,13 @@ def test_data_train_turns_given_on_text_rows_is_refused_by_train_and_sweep(tmp_p
     no_turns = ("--data.train-turns: expected messages rows (the turns it picks from), found "
                 f"{{'text': ...}} rows in {root / 'train.jsonl'} (no turns to pick: every token "
                 "trains); drop it")
-    for given in (["--data.train-turns", "last"], ["--data.train-turns=assistant"],
-                  ["--data.no-mask-prompt", "--data.train_turns", "last"]):
+    for given, typed in ((["--data.train-turns", "last"], "--data.train-turns"),
+                         (["--data.train-turns=assistant"], "--data.train-turns"),
+                         (["--data.no-mask-prompt", "--data.train_turns", "last"],
+                          "--data.train_turns")):  # named as typed
         assert main([*flags, "--run-id", "given", *given]) == 2
-        assert error_line(capsys) == f"toymlx-train: error: {no_turns}"
+        assert error_line(capsys) == ("toymlx-train: error: "
+                                      + no_turns.replace("--data.train-turns", typed))
     toymlx_file = tmp_path / "t.yaml"
     toymlx_file.write_text(yaml.safe_dump({"recipe": "lora", "data": {"train_turns": "last"}}))
     assert main(["-c", str(toymlx_file), *flags[2:], "--run-id", "file"]) == 2

@@ -764,6 +764,36 @@ def test_an_empty_valid_jsonl_gone_or_added_at_val_fraction_0_still_resumes(tmp_
     _refused_for(capsys, run, "train.jsonl", _grown(data / "train.jsonl"), "--steps", "6")
 
 
+def test_a_valid_jsonl_of_blank_lines_gone_at_val_fraction_0_still_resumes(tmp_path):
+    """A valid.jsonl of blank lines alone is read as none at --data.val-fraction 0, as an empty
+    one is (`blank_file`), yet deleting it stopped a --resume as changed data ("valid.jsonl
+    gone") where an empty one's did not: the record knew its size alone. Now the record marks
+    it blank, the run resumes, and its losses are those of a run never stopped on that data;
+    a blank one put back is no change either."""
+    data = mlx_lm_folder(tmp_path / "data", n_valid=0)
+    (data / "valid.jsonl").write_text("\n  \n\t\n")
+    base = tiny(tmp_path / "smol.gguf", 3)
+
+    def train(run_id: str, *more: str) -> int:
+        return _cli("train")(["--recipe", "lora", "--base", str(base), "--data.path", str(data),
+                              "--runs-root", str(tmp_path / "runs"), "--run-id", run_id,
+                              *TRAIN[2:], "--steps", "4", "--data.val-fraction", "0", *more])
+
+    assert train("whole") == 0
+    assert train("r", "--stop-at", "2") == 0
+    run = tmp_path / "runs" / "r"
+    rec = json.loads((run / "config.json").read_text())["data_files"]["data.path"]
+    assert (rec["files"]["valid.jsonl"]["bytes"], rec["files"]["valid.jsonl"]["blank"]) == (6, True)
+    (data / "valid.jsonl").unlink()
+    assert _cli("train")(["--resume", str(run), "--no-progress"]) == 0
+    assert _final_step(run) == 4
+    assert _losses(run) == pytest.approx(_losses(tmp_path / "runs" / "whole"), abs=1e-5)
+    assert len(_losses(run)) == 4
+    (data / "valid.jsonl").write_text("\n\n")  # another blank one: none again
+    assert _cli("train")(["--resume", str(run), "--steps", "5", "--no-progress"]) == 0
+    assert _final_step(run) == 5
+
+
 def test_a_resume_that_adds_test_is_refused_naming_toymlx_eval(tmp_path, capsys):
     """A run of no --test records train and valid alone (`only`): a --resume adding --test
     would score a test.jsonl the run's record never covered (edited or added since, unchecked).

@@ -163,6 +163,34 @@ def test_lock_is_owned_by_a_live_process_and_dies_with_it(tmp_path):
     assert not path.exists() and lock is not None  # released and removed
 
 
+def test_a_lock_holder_ended_by_end_child_leaves_no_pipe_to_the_garbage_collector(tmp_path):
+    """A holder's stdout pipe (text) was never closed where the test ended the holder itself
+    (`kill`, `wait`) or `end_child` killed it: a ResourceWarning "unclosed file
+    <_io.TextIOWrapper name=12>" at the next garbage collection, in whichever test came later
+    (test_api's check of its own pipes, run after this file). Both now leave the pipe closed."""
+    import gc
+    import warnings
+
+    def holder(name: str) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / name)],
+                             stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline() == "held\n"
+        return p
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        killed, ended = holder("a.lock"), holder("b.lock")
+        ended.kill()  # as a test kills a holder to show that its lock dies with it
+        ended.wait()
+        for p in (killed, ended):
+            end_child(p)
+        assert (killed.returncode, ended.returncode) == (-signal.SIGKILL, -signal.SIGKILL)
+        assert (killed.stdout.closed, ended.stdout.closed) == (True, True)
+        del killed, ended, p
+        gc.collect()
+    assert [str(w.message) for w in caught if w.category is ResourceWarning] == []
+
+
 # ---------------------------------------------------------------- the live view
 
 def test_a_resumed_runs_steps_per_s_counts_only_the_steps_it_trains():
@@ -1642,6 +1670,24 @@ def test_a_sweep_file_key_that_does_not_apply_is_refused_a_run_config_is_not(
     assert (saved["fine_tune_type"], saved["lr"], saved["steps"]) == ("full", 1e-3, 1)
 
 
+def test_a_run_s_value_refused_names_its_flag_as_typed(tmp_path, capsys):
+    """Every run's `--weight_decay=-1` (HF's and mlx-lm's spelling, after `--`) was refused as
+    `--weight-decay`, a flag the user never typed; now as typed, as toymlx-train names it. A
+    grid key's flag, which the sweep writes, keeps its own spelling."""
+    from cli_errors import error_line
+
+    argv = ["--recipe", "from-scratch", "--runs-root", str(tmp_path), "--no-progress", *TINY]
+    assert sweep_main([*argv, "--grid", "lr=2e-3", "--", "--weight_decay=-1"]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        "toymlx-sweep: error: run lr=0.002: --weight_decay: expected >= 0, found -1.0; no run was "
+        "started")
+    assert sweep_main([*argv, "--grid", "weight_decay=-1"]) == 2
+    assert error_line(capsys, "toymlx-sweep") == (
+        "toymlx-sweep: error: run weight_decay=-1: --weight-decay: expected >= 0, found -1.0; no "
+        "run was started")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_second_sweep_of_one_id_is_refused_while_the_first_runs(tmp_path, capsys):
     """Two sweeps of one id (and shard) at once both ran, the runs split between them, and the
     first to end exited 0 with a partial summary. The second is refused before it writes
@@ -1679,6 +1725,60 @@ def test_a_second_sweep_of_one_id_is_refused_while_the_first_runs(tmp_path, caps
         assert result.states == {"lr=0.002": "done"}
     finally:
         end_child(first)
+
+
+def test_a_sweep_of_another_split_of_one_id_is_refused_while_the_first_runs(tmp_path, capsys):
+    """`--shard 0/2` started beside a running `--shard 0/1` of one sweep folder ran: each
+    run's lock kept a run from training twice at once, but the two split the runs
+    differently, each taking runs the other counted as its own. It is refused before it writes
+    anything, naming the folder, the running split and its pid, and what to do (a share of
+    that split no sweep runs, where there is one); a first killed (-9) blocks nothing, another
+    shard of the same split runs beside it, and a later sweep of another split, once the first
+    has ended, runs what is left."""
+    from cli_errors import error_line
+
+    from toymlx.sweeps.supervisor import shard_lock
+
+    specs = sweep.grid([*TINY, "--steps", "1"], {"lr": [2e-3, 3e-3]})
+    folder = tmp_path / "s"
+    (folder / ".locks").mkdir(parents=True)
+    hold = "; ".join(HOLD.strip().splitlines())
+    first = subprocess.Popen([sys.executable, "-c", hold, str(folder / ".locks" /
+                                                            shard_lock((0, 1)))],
+                             stdout=subprocess.PIPE, text=True)
+
+    def run(shard):
+        return sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="s", shard=shard,
+                               progress=False, report_png=False)
+
+    try:
+        assert first.stdout.readline().strip() == "held"
+        before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+        with pytest.raises(ValueError) as e:
+            run((0, 2))
+        said = str(e.value)
+        assert said.startswith(f"{folder}: --shard: expected the split of the sweep running "
+                               f"there (0/1, process {first.pid} ("), said
+        assert said.endswith(f"), found 0/2, which shares its runs out otherwise; wait for it to "
+                             f"end, or stop it first (kill -INT {first.pid})"), said
+        assert sweep_main(["--recipe", "from-scratch", "--grid", "lr=2e-3,3e-3", "--runs-root",
+                           str(tmp_path), "--sweep-id", "s", "--shard", "0/2", "--no-progress",
+                           "--no-report", *TINY, "--steps", "1"]) == 2
+        assert error_line(capsys, "toymlx-sweep") == f"toymlx-sweep: error: {said}"
+        assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before
+        first.kill()  # kill -9: its lock file stays, held by no one
+        first.wait()
+    finally:
+        end_child(first)
+    assert (folder / ".locks" / shard_lock((0, 1))).exists()
+    with acquire(folder / ".locks" / shard_lock((0, 3)), "a sweep of shard 0/3"), \
+            pytest.raises(ValueError) as e:
+        run((0, 2))
+    assert str(e.value).endswith(f"(kill -INT {os.getpid()}), or give one of --shard 1/3, 2/3 "
+                                 "(no sweep runs them now)"), str(e.value)
+    with acquire(folder / ".locks" / shard_lock((1, 2)), "a sweep of shard 1/2"):
+        assert run((0, 2)).states == {"lr=0.002": "done"}  # the same split: beside it
+    assert run((0, 1)).states == {"lr=0.002": "skipped", "lr=0.003": "done"}
 
 
 @pytest.mark.parametrize("sig, line, code", [

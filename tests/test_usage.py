@@ -997,6 +997,28 @@ def test_timm_s_model_names_as_the_preset_say_vit_tiny_s_options(capsys, tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("args, want", [
+    (["--weight_decay=-1"], "--weight_decay: expected >= 0, found -1.0"),
+    (["--batch_size", "0"], "--batch_size: expected >= 1, found 0"),
+    (["--eval_every", "-1"], "--eval_every: expected >= 0, found -1"),
+    (["--run_id", ""], ("--run_id: expected a non-empty folder name, got an empty string; omit "
+                        "--run-id for its default (<timestamp>-<recipe>)")),
+    (["--weight_decay", "abc"], "--weight_decay: expected a number, got 'abc'"),
+    (["--learning_rate", "-1"], (f"--learning_rate: expected an option of {LORA}, got an unknown "
+                                 "one; mlx-lm's --learning_rate is toymlx's --lr")),
+])
+def test_a_train_refusal_names_an_underscored_flag_as_typed(args, want, capsys, tmp_path,
+                                                            monkeypatch):
+    """HF's and mlx-lm's users type --weight_decay, --batch_size (tyro takes them as
+    --weight-decay); a value the recipe's checks refuse (`check_config`, after tyro's parse)
+    was named --weight-decay, a flag they never typed. Now as typed, as tyro's own refusals
+    were; nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["--recipe", "lora", *args]) == 2
+    assert only_line(capsys) == f"toymlx-train: error: {want}"
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("line, argv, want", [
     ("--max-tokens: expected a count >= 0, found -1", ["-n", "5", "--max-tokens", "-1"],
      "--max-tokens: expected a count >= 0, found -1"),
@@ -1007,11 +1029,21 @@ def test_timm_s_model_names_as_the_preset_say_vit_tiny_s_options(capsys, tmp_pat
     ("--temperature: expected > 0", [], "--temperature: expected > 0"),
     ("--temperature: expected > 0", ["--temp", "0"], "--temp: expected > 0"),
     ("--top-k: expected >= 0", ["--temp", "0", "--top-k", "-1"], "--top-k: expected >= 0"),
-    ("a line on --temperature: none", ["--temp", "0"], "a line on --temperature: none"),
+    ("a line on --temperature: none", ["--temp", "0"], "a line on --temp: none"),
+    # a second flag, typed short or with underscores, named as typed too
+    ("--num-samples 2: expected a --prompt, found none", ["-p", "", "--num_samples", "2"],
+     "--num_samples 2: expected a -p, found none"),
+    # the advice after "; " names options by their own flags, as --help lists them
+    ("--temperature: expected > 0 with --num-samples 2; drop --num-samples",
+     ["--temp", "0", "--num_samples", "2"],
+     "--temp: expected > 0 with --num_samples 2; drop --num-samples"),
+    # not inside a path or another word; a flag not given stays
+    ("runs/--seed/x: --top-k-ish, --seed", ["-s", "1"], "runs/--seed/x: --top-k-ish, -s"),
 ])
-def test_a_refusal_names_its_leading_flag_as_typed(line, argv, want):
-    """`line_as_typed` renames a line's leading flag (after a path, if any) to its spelling at its
-    last use on the command line; a flag not given, or not leading, stays as it is."""
+def test_a_refusal_names_its_flags_as_typed(line, argv, want):
+    """`line_as_typed` renames each flag of a refusal (after a path, if any; before the advice
+    after "; ") to its spelling at its last use on the command line (a second one named -p's
+    --prompt, typed -p); a flag not given stays as it is."""
     from toymlx_cli.generate import Args
     from toymlx_cli.usage import line_as_typed
 

@@ -37,15 +37,19 @@ class LockHeld(ValueError):
 
     def __init__(self, what: str, holder: dict[str, Any]):
         self.holder = holder
-        pid = holder.get("pid", "?")
-        cmd = str(holder.get("command") or "unknown command")
-        cmd = cmd if len(cmd) <= 600 else cmd[:597] + "..."
-        where = holder.get("host")
-        super().__init__(
-            f"{what}: in use by process {pid} ({cmd})"
+        super().__init__(f"{what}: in use by {described(holder)}; wait for it to end, or stop "
+                         f"it first (kill -INT {holder.get('pid', '?')})")
+
+
+def described(holder: dict[str, Any]) -> str:
+    """A lock's holder (`holder`'s record) in words: `process PID (COMMAND) [on HOST] [since
+    TIME]`, the host named only where it is another machine."""
+    cmd = str(holder.get("command") or "unknown command")
+    cmd = cmd if len(cmd) <= 600 else cmd[:597] + "..."
+    where = holder.get("host")
+    return (f"process {holder.get('pid', '?')} ({cmd})"
             + (f" on {where}" if where and where != socket.gethostname() else "")
-            + (f" since {holder['since']}" if holder.get("since") else "")
-            + f"; wait for it to end, or stop it first (kill -INT {pid})")
+            + (f" since {holder['since']}" if holder.get("since") else ""))
 
 
 class Lock:

@@ -70,10 +70,24 @@ def data_reads(cfg: Any, key: str, path: str | os.PathLike) -> tuple[str, ...] |
 
 def data_empty_as_none(cfg: Any, key: str) -> tuple[str, ...]:
     """The names of the files of a data folder that the option `key` of `cfg` reads as no file
-    where they are empty (its data options' `empty_as_none`: an mlx-lm folder's valid.jsonl at
-    --data.val-fraction 0), so that an empty one deleted or added is no change (`same_data`)."""
+    where they hold no example (its data options' `empty_as_none`: an mlx-lm folder's
+    valid.jsonl at --data.val-fraction 0), so that such a one deleted or added is no change
+    (`same_data`)."""
     names = getattr(getattr(cfg, "data", None), "empty_as_none", None)
     return names() if names is not None and key.startswith("data.") else ()
+
+
+BLANK_KEY = "blank"
+"""In a data folder's record of one of its files (`data_files`' "files"): true where the file
+is one its run reads as none (`data_empty_as_none`) and holds whitespace alone (blank lines,
+`blank_file`), not no byte, so that a resume without it, or with an empty one, is no change
+(`changed_part`); left out otherwise."""
+
+
+def _read_as_none(part: Any) -> bool:
+    """Whether a file's record (`data_files`' "files" entry) is of a file that holds no
+    example: no byte (`bytes` 0), or whitespace alone (`BLANK_KEY`)."""
+    return isinstance(part, dict) and (part.get("bytes") == 0 or part.get(BLANK_KEY) is True)
 
 
 def _reads(name: str, only: Sequence[str] | None) -> bool:
@@ -160,9 +174,10 @@ def same_data(path: str | os.PathLike, rec: dict[str, Any],
     of the folder), or with an `only` the run does not read all of (an mlx-lm folder's
     test.jsonl, recorded before a run of no --test left it out), or with files in hidden
     folders (recorded before `fingerprint` skipped them, as the run's reading did).
-    `empty_as_none`: files of the folder read as none where empty (`data_empty_as_none`): one
-    of 0 bytes recorded and now gone, or now there and not recorded, is no change, decided by
-    the record's files (`changed_part`) where it has them."""
+    `empty_as_none`: files of the folder read as none where they hold no example
+    (`data_empty_as_none`): one of 0 bytes or blank lines alone recorded and now gone, or now
+    there and not recorded, is no change, decided by the record's files (`changed_part`) where
+    it has them."""
     same, now = _same_whole(path, rec)
     if not same and empty_as_none and Path(path).is_dir() and isinstance(rec.get("files"), dict):
         return changed_part(path, rec, reads=reads, empty_as_none=empty_as_none) is None, now
@@ -231,13 +246,19 @@ def data_files(cfg: Any) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str,
     `data_index` entry}): each file of a folder fingerprinted in the read that fingerprints
     the folder; a small folder's (`FOLDER_PARTS`) under its record's "files", a larger one's
     in the index (`DATA_INDEX_FILE`), which config.json would not hold at a size it can be
-    read in at every command (60,000 images: some 5 MB)."""
+    read in at every command (60,000 images: some 5 MB); a file the run reads as none that
+    holds blank lines alone marked `BLANK_KEY`."""
+    from toymlx.data.chat import blank_file
+
     out, index = {}, {}
     for key, path in data_paths(cfg).items():
         if Path(path).exists():
             only = data_reads(cfg, key, path)
             rec = fingerprint(path, only=only, each=True)
             parts = rec.pop("files", {})
+            for name in data_empty_as_none(cfg, key):  # a valid.jsonl of blank lines: none
+                if parts.get(name, {}).get("bytes") and blank_file(Path(path, name)):
+                    parts[name][BLANK_KEY] = True
             out[key] = {"path": path, "file": os.path.realpath(path), **rec}
             if len(parts) > FOLDER_PARTS:
                 index[key] = {"sha256": rec["sha256"], "files": {
@@ -276,7 +297,8 @@ def changed_part(path: str | os.PathLike, rec: dict[str, Any],
     in name order up to the first that differs (each read once); None where the record has no
     files or none differs. `reads`: as `same_data`'s, the files compared (of those the
     record's "only" names, where it has one). `empty_as_none`: as `same_data`'s, files left out
-    of both sides where empty (0 bytes)."""
+    of both sides where they hold no example (0 bytes, or blank lines alone: `_read_as_none`,
+    `blank_file`)."""
     parts = rec.get("files") if isinstance(rec.get("files"), dict) else parts
     if not isinstance(parts, dict) or not Path(path).is_dir():
         return None
@@ -284,12 +306,15 @@ def changed_part(path: str | os.PathLike, rec: dict[str, Any],
     parts = {name: part for name, part in parts.items()  # hidden: recorded before
              if _reads(name, only) and _reads(name, reads)  # `_files` skipped them, not read
              and not hidden_below(Path(path, name), path)
-             and not (name in empty_as_none and isinstance(part, dict)
-                      and part.get("bytes") == 0)}
+             and not (name in empty_as_none and _read_as_none(part))}
     now = {_text_name(p.relative_to(path)): p for p in _files(Path(path), only)
            if _reads(p.relative_to(path).as_posix(), reads)}
     sizes = {name: p.stat().st_size for name, p in now.items()}
-    now = {name: p for name, p in now.items() if not (name in empty_as_none and not sizes[name])}
+    if empty_as_none:
+        from toymlx.data.chat import blank_file
+
+        now = {name: p for name, p in now.items()
+               if not (name in empty_as_none and (not sizes[name] or blank_file(p)))}
 
     def said(name: str, found: int) -> str:
         return f"{name} changed ({parts[name].get('bytes')} -> {found} bytes)"

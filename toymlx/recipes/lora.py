@@ -181,8 +181,9 @@ class ChatDataOptions:
         return split_files_read(path, test)
 
     def empty_as_none(self) -> tuple[str, ...]:
-        """The files of a data folder read as none where empty (a record of its data that
-        differs by an empty one alone is the same data): valid.jsonl (or .json, .csv, .tsv) at
+        """The files of a data folder read as none where empty (no byte, or blank lines alone:
+        `chat.blank_file`; a record of its data that differs by an empty one alone is the same
+        data): valid.jsonl (or .json, .csv, .tsv) at
         --data.val-fraction 0, as `chat.SplitExamples.of` reads it; at another fraction an
         empty one is refused as it is read, none (its last part validates)."""
         return VALID_NAMES if self.val_fraction == 0 else ()

@@ -9,7 +9,8 @@ values. A sweep folder also holds `sweep.json` (the specs), `logs/<run>.log` (ea
 output), `.locks/` (one `flock` per run while a sweep runs it, so two sweeps, or machines
 sharing the folder over a filesystem with locks such as NFS, never run one run twice; the lock
 dies with its holder; one while a starting sweep checks and writes sweep.json; and one per
-shard while a sweep runs it, so that a second sweep of one id and shard is refused),
+shard while a sweep runs it, so that a second sweep of one id and shard is refused, and one
+of another split of its runs, `--shard 0/2` beside `--shard 0/1`),
 `.status/` (exit codes), and at the end `summary.csv`, `summary.jsonl` and `report.png`.
 Each run is a `toymlx-train` child tied to the sweep: if the sweep is killed, its children
 checkpoint and stop. Starting the same sweep again skips completed runs, resumes torn or
@@ -23,6 +24,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -36,7 +38,7 @@ from typing import Any, TextIO
 from toymlx.backend import atomic
 from toymlx.backend.files import counted
 from toymlx.backend.lifeline import child_env, module_command
-from toymlx.backend.lock import LOCK_FILE, LockHeld, acquire
+from toymlx.backend.lock import LOCK_FILE, LockHeld, acquire, described, held_by
 from toymlx.backend.stop import SOLO_SIGNALS, STOP_CODES, StopSignals, how_stopped
 from toymlx.bundle.checkpoint import resolve_latest
 from toymlx.bundle.events import read_events
@@ -70,6 +72,33 @@ def shard_lock(shard: tuple[int, int]) -> str:
     """The lock in the sweep folder's .locks/ that a sweep of shard `shard` (I, N) holds while it
     runs: two sweeps of one id and shard never run at once; other shards of it do."""
     return f"sweep-shard-{shard[0]}-of-{shard[1]}.lock"
+
+
+SHARD_LOCK = re.compile(r"sweep-shard-(\d+)-of-(\d+)\.lock")
+"""`shard_lock`'s names: its shard's I and N."""
+
+
+def _refuse_another_split(sweep_dir: Path, shard: tuple[int, int]) -> None:
+    """ValueError (one line: the folder, the running sweep's shard and pid, what to do) where a
+    live sweep of this folder splits its runs in other than `shard`'s N shares: each of two
+    splits (`--shard 0/1` beside `--shard 0/2`) took runs the other counted as its own, each
+    summary partial. A sweep of the same split (another I) runs beside it; one that has ended,
+    or was killed, holds no lock (`held_by`) and blocks nothing."""
+    i, n = shard
+    for path in sorted((sweep_dir / ".locks").glob("sweep-shard-*-of-*.lock")):
+        m = SHARD_LOCK.fullmatch(path.name)
+        if m is None or int(m[2]) == n or (holder := held_by(path)) is None:
+            continue
+        j, k = int(m[1]), int(m[2])
+        free = [f"{x}/{k}" for x in range(k)
+                if held_by(sweep_dir / ".locks" / shard_lock((x, k))) is None]
+        raise ValueError(
+            f"{sweep_dir}: --shard: expected the split of the sweep running there ({j}/{k}, "
+            f"{described(holder)}), found {i}/{n}, which shares its runs out otherwise; wait "
+            f"for it to end, or stop it first (kill -INT {holder.get('pid', '?')})"
+            + (f", or give {'--shard' if len(free) == 1 else 'one of --shard'} "
+               f"{', '.join(free[:3])}{', ...' if len(free) > 3 else ''} (no sweep runs "
+               f"{'it' if len(free) == 1 else 'them'} now)" if free else ""))
 
 
 def run_state(run_dir: Path) -> str:
@@ -451,33 +480,43 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
         raise ValueError(f"{sweep_dir}: {flag}: expected a folder it can write (the sweep's "
                          f"record, logs and each run's bundle), found {e.strerror or e} at "
                          f"{e.filename or sweep_dir}; {fix}choose another --runs-root") from None
-    # one sweep of an id (and shard) at a time: a second one started while the first ran (the
-    # same command in another terminal) ran too, the runs split between them, and the first to
-    # end exited 0 with a partial summary; refused now before it writes anything. A flock: a
-    # sweep killed (-9) holds it no longer.
     stop = _SaidOnStop(stream, "before any run started; nothing was run")
-    with acquire(sweep_dir / ".locks" / shard_lock(shard),
-                 f"{sweep_dir}: the sweep" + (f" (shard {shard[0]}/{shard[1]})"
-                                              if shard[1] > 1 else "")), stop:
-        # the check and the write under one lock: two sweeps of one id with other options, started
-        # at once, both found no sweep.json, and both ran, each its own options
+    with stop, contextlib.ExitStack() as held:
+        # the checks and the write under one lock: two sweeps of one id with other options,
+        # started at once, both found no sweep.json, and both ran, each its own options; two
+        # of other splits, started at once, would each miss the other's shard lock
         with acquire(sweep_dir / ".locks" / RECORD_LOCK, str(sweep_dir / report.SWEEP_FILE),
                      wait=RECORD_WAIT_S):
-            changed = changed_options(sweep_dir, recipe, specs, run_options, inputs)
-            if changed:
-                raise ValueError(f"{sweep_dir}: --sweep-id {sweep_id}: expected the options "
-                                 f"this sweep was started with, found {', '.join(changed)} "
-                                 "changed; give a new --sweep-id to run the changed sweep, or "
-                                 "put them back")
-            for sub in ("logs", ".status"):
-                (sweep_dir / sub).mkdir(exist_ok=True)
-            write_sweep_file(sweep_dir, recipe, specs, run_options, inputs)
-            options_file = None
-            if run_options:
-                options_file = sweep_dir / RUN_OPTIONS_FILE
-                atomic.write_text(options_file, json.dumps(
-                    {"recipe": recipe, "config": run_options} if run_config else run_options,
-                    indent=1))
+            # one sweep of an id (and shard) at a time: a second one started while the first
+            # ran (the same command in another terminal) ran too, the runs split between them,
+            # and the first to end exited 0 with a partial summary; refused now before it
+            # writes anything. A flock: a sweep killed (-9) holds it no longer.
+            mine_held = held.enter_context(acquire(
+                sweep_dir / ".locks" / shard_lock(shard),
+                f"{sweep_dir}: the sweep" + (f" (shard {shard[0]}/{shard[1]})"
+                                             if shard[1] > 1 else "")))
+            try:
+                _refuse_another_split(sweep_dir, shard)
+                changed = changed_options(sweep_dir, recipe, specs, run_options, inputs)
+                if changed:
+                    raise ValueError(f"{sweep_dir}: --sweep-id {sweep_id}: expected the "
+                                     f"options this sweep was started with, found "
+                                     f"{', '.join(changed)} changed; give a new --sweep-id to "
+                                     "run the changed sweep, or put them back")
+                for sub in ("logs", ".status"):
+                    (sweep_dir / sub).mkdir(exist_ok=True)
+                write_sweep_file(sweep_dir, recipe, specs, run_options, inputs)
+                options_file = None
+                if run_options:
+                    options_file = sweep_dir / RUN_OPTIONS_FILE
+                    atomic.write_text(options_file, json.dumps(
+                        {"recipe": recipe, "config": run_options} if run_config
+                        else run_options, indent=1))
+            except BaseException:
+                # let go before the record lock: a sweep of another split waiting for that one
+                # must not find this refused one still holding its shard
+                mine_held.release()
+                raise
         # said up front: with --no-progress, a sweep run again printed the same table as the
         # first time, nothing telling that no run was run (nor, continued after a Ctrl-C, that
         # its runs go on from their checkpoints, not from step 0)
