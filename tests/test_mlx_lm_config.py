@@ -1252,13 +1252,21 @@ def test_a_bad_value_is_named_by_the_file_s_own_key(tmp_path, base, capsys, extr
     ({"model": "{tmp}/nope.gguf"}, [],
      ("{path}: key 'model' (toymlx's --base): {tmp}/nope.gguf: expected an existing GGUF file, "
      "found nothing at that path")),
+    ({"lr_schedule": {"name": "cosine_decay", "arguments": [1e-5]}}, [],
+     ("{path}: key 'lr_schedule.arguments' (toymlx's --lr-schedule-args): expected the "
+     "arguments of MLX's cosine_decay, found [1e-05] (cosine_decay() missing 1 required "
+     "positional argument: 'decay_steps')")),
     ({}, ["--steps", "0"], "--steps: expected >= 1, found 0"),  # the flag's value: the flag
+    ({}, ["--lr-schedule", "cosine_decay", "--lr-schedule-args", "1e-5"],
+     ("--lr-schedule-args: expected the arguments of MLX's cosine_decay, found [1e-05] "
+     "(cosine_decay() missing 1 required positional argument: 'decay_steps')")),
 ])
 def test_a_value_refused_after_the_file_is_read_is_named_by_the_file_s_key(
         tmp_path, base, data, capsys, extra, argv, line):
     """A value the file's mapping passes on and a later check refuses (the recipe's, the
     trainer's, the data's) is one line naming the file and its mlx-lm key, with toymlx's flag in
-    brackets; it named only toymlx's flag (`--steps: expected >= 1, found 0` for `iters: 0`)."""
+    brackets; it named only toymlx's flag (`--steps: expected >= 1, found 0` for `iters: 0`;
+    `--lr-schedule-args [1e-05]: ...` for `lr_schedule.arguments` MLX's schedule refuses)."""
     small = tmp_path / "small"
     small.mkdir()
     (small / "train.jsonl").write_text("".join((data / "train.jsonl").read_text()
