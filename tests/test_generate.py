@@ -1089,8 +1089,10 @@ def test_no_prompt_on_a_tokenizer_without_bos_names_the_ways_to_give_one_before_
 def test_nanogpts_file_prompt_is_refused_not_taken_as_the_text(stories_path, capsys, tmp_path,
                                                                 monkeypatch):
     """sample.py's `--start=FILE:prompt.txt` habit as `--prompt FILE:prompt.txt`: the story went
-    on from the 15 characters `FILE:prompt.txt`, exit 0; text that names no file is still text,
-    a text too long to be a file's name too (it was refused: "[Errno 36] File name too long")."""
+    on from the 15 characters `FILE:prompt.txt`, exit 0. A name that is not there (a typo) is
+    refused too, saying so (it was generated from as the text, exit 0); a text that cannot be a
+    file's name (a space after FILE:, too long: it was refused, "[Errno 36] File name too long")
+    is text."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my prompt.txt").write_text(PROMPT)
     assert cli.main(["--model", str(stories_path), "--prompt", "FILE:my prompt.txt"]) == 2
@@ -1099,7 +1101,13 @@ def test_nanogpts_file_prompt_is_refused_not_taken_as_the_text(stories_path, cap
         "toymlx-generate: error: --prompt: expected the prompt's text, found nanoGPT's "
         "'FILE:my prompt.txt' (sample.py's --start=FILE:...); to read my prompt.txt: "
         "--prompt - < 'my prompt.txt'\n")
-    for text in ("FILE:none.txt", "FILE: " + "a long line of notes " * 20):
+    assert cli.main(["--model", str(stories_path), "--prompt", "FILE:promt.txt"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        "toymlx-generate: error: --prompt: expected the prompt's text, found nanoGPT's "
+        "'FILE:promt.txt' (sample.py's --start=FILE:...), and no file promt.txt is there; to "
+        "read a file: --prompt - < FILE\n")
+    for text in ("FILE: notes", "FILE:" + "a_long_name" * 30, "FILE:two\nlines"):
         assert cli.main(["--model", str(stories_path), "--prompt", text, "--max-tokens", "2",
                          "--temperature", "0"]) == 0
 
