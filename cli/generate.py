@@ -634,6 +634,7 @@ def run(args: Args) -> int:
                          + (shlex.quote(nanogpt_file) if there else "FILE"))
     if args.prompt == "-":
         raw = within_stdin_limit(sys.stdin.buffer.read(STDIN_LIMIT + 1), "--prompt -: stdin")
+        raw = raw.removeprefix(b"\xef\xbb\xbf")  # Notepad's UTF-8 BOM: not text, as in training
         if not raw:  # an empty pipe would be generated from as a raw BOS alone
             raise UsageError("--prompt -: expected the prompt's text on stdin, found it empty "
                              "(ended at once)")

@@ -1045,6 +1045,25 @@ def test_prompt_dash_reads_stdin_as_mlx_lm_does(stories_path, capsys, monkeypatc
     assert out.startswith(", there was a little girl"), out  # as with --prompt PROMPT
 
 
+def test_a_utf8_bom_on_stdin_is_not_part_of_the_prompt(stories_path, capsys, monkeypatch):
+    """A prompt.txt saved by Windows Notepad starts with a UTF-8 BOM: `--prompt - < prompt.txt`
+    fed it to the model as 3 more prompt tokens (a training text's BOM is dropped); the prompt
+    and the sample are those of the file without it, and a BOM alone is an empty stdin."""
+    runs = []
+    for raw in (PROMPT.encode(), b"\xef\xbb\xbf" + PROMPT.encode()):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(raw)))
+        assert cli.main(["--model", str(stories_path), "--prompt", "-", "--max-tokens", "12",
+                         "--temperature", "0"]) == 0
+        out, err = capsys.readouterr()
+        runs.append((out, [x.split(" new tokens")[0] for x in err.splitlines()
+                           if " prompt + " in x]))
+    assert runs[1] == runs[0] and runs[0][1] and runs[0][0].startswith(", there was")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xef\xbb\xbf")))
+    assert cli.main(["--model", str(stories_path), "--prompt", "-"]) == 2
+    assert capsys.readouterr().err == ("toymlx-generate: error: --prompt -: expected the prompt's "
+                                       "text on stdin, found it empty (ended at once)\n")
+
+
 def test_an_empty_stdin_for_prompt_dash_is_refused_not_generated_from_bos(stories_path, capsys,
                                                                         monkeypatch):
     """`producer | toymlx-generate --prompt -` where the producer wrote nothing: a BOS-only
