@@ -529,8 +529,10 @@ def gain_note(base: float, tuned: float, fused: float, dtype: str | None = None,
         more = "more validation rows (--data.val-fraction, or a larger valid.jsonl) measure it"
         if rows < MIN_GAIN_ROWS or error is None or not math.isfinite(error):
             spread = f" +- {error:.4f}" if error is not None and math.isfinite(error) else ""
-            return (f"{on} cannot be told from noise ({gain:.4f}{spread} nats; fewer than "
-                    f"{MIN_GAIN_ROWS} rows give no share of it): {more}")
+            # a spread from so few rows is no measure of the noise, however small it reads
+            return (f"{on} cannot be told from noise on so few rows ({gain:.4f}{spread} nats; "
+                    f"fewer than {MIN_GAIN_ROWS} rows measure no noise, nor give a share of it)"
+                    f": {more}")
         if gain < NOISE_ERRORS * error:
             return (f"{on} is within noise ({gain:.4f} +- {error:.4f} nats, under "
                     f"{NOISE_ERRORS:g} standard errors): {more}")

@@ -597,6 +597,18 @@ def store_layers_note(spec: str) -> str | None:
             "applied")
 
 
+def _nanogpt_prompt_file(prompt: str) -> str | None:
+    """The file a `--prompt FILE:NAME` names, as sample.py's --start=FILE:NAME reads it, there
+    or not (a typo'd name was generated from as the text); None for a text that cannot name
+    one: a second line, a space after `FILE:`, a name longer than the file system takes."""
+    name = prompt.removeprefix("FILE:")
+    if name == prompt or not name or "\n" in name or name[0].isspace():
+        return None
+    if any(len(part.encode()) > 255 for part in name.split("/")):
+        return None
+    return name
+
+
 def run(args: Args) -> int:
     """Generate as `args` say."""
     from toymlx.backend.device import on_gpu, select_device
@@ -613,15 +625,16 @@ def run(args: Args) -> int:
     )
     from toymlx.generation.sampling import check_top_k
 
-    nanogpt_file = args.prompt.removeprefix("FILE:")
-    # never taken as the text; a text that cannot be a file's name (longer than the file
-    # system takes) is text, not an error
-    if nanogpt_file != args.prompt and os.path.isfile(nanogpt_file):
+    if nanogpt_file := _nanogpt_prompt_file(args.prompt):  # never taken as the text
+        there = os.path.isfile(nanogpt_file)
         raise UsageError(f"--prompt: expected the prompt's text, found nanoGPT's "
-                         f"{args.prompt!r} (sample.py's --start=FILE:...); to read "
-                         f"{nanogpt_file}: --prompt - < {shlex.quote(nanogpt_file)}")
+                         f"{args.prompt!r} (sample.py's --start=FILE:...)"
+                         + ("" if there else f", and no file {nanogpt_file} is there")
+                         + f"; to read {nanogpt_file if there else 'a file'}: --prompt - < "
+                         + (shlex.quote(nanogpt_file) if there else "FILE"))
     if args.prompt == "-":
         raw = within_stdin_limit(sys.stdin.buffer.read(STDIN_LIMIT + 1), "--prompt -: stdin")
+        raw = raw.removeprefix(b"\xef\xbb\xbf")  # Notepad's UTF-8 BOM: not text, as in training
         if not raw:  # an empty pipe would be generated from as a raw BOS alone
             raise UsageError("--prompt -: expected the prompt's text on stdin, found it empty "
                              "(ended at once)")

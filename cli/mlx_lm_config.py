@@ -307,8 +307,11 @@ def _micro_steps(given: dict[str, Any], in_file: set[str], source: str, put
     notes = [(f"{source}: key 'grad_accumulation_steps': the {accum} micro-batches' gradients "
               "are averaged over their targets together (mlx-lm averages each micro-batch's "
               "mean)")]
+    def key_named(key: str) -> str:  # a default the file leaves out is not looked for in it
+        return f"key {key!r}" + ("" if key in in_file else " (mlx-lm's default, not in the file)")
+
     if left := iters % accum:
-        notes.append(f"{source}: key 'iters': {iters} micro-batches are "
+        notes.append(f"{source}: {key_named('iters')}: {iters} micro-batches are "
                      f"{counted(iters // accum, 'optimizer step')} of {accum}; mlx-lm's last "
                      f"{counted(left, 'micro-batch', 'micro-batches')} "
                      f"{'updates' if left == 1 else 'update'} nothing and "
@@ -320,7 +323,7 @@ def _micro_steps(given: dict[str, Any], in_file: set[str], source: str, put
         _want(source, key, _int(n) and n >= 1, "an integer >= 1", n)
         every = max(n // accum, 1)
         if n % accum:
-            notes.append(f"{source}: key {key!r}: every "
+            notes.append(f"{source}: {key_named(key)}: every "
                          f"{counted(n, 'micro-batch', 'micro-batches')} falls inside an "
                          f"accumulation of {accum}; toymlx's --{option.replace('_', '-')} is "
                          f"every {counted(every, 'optimizer step')} ({every * accum} "

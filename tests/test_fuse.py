@@ -484,7 +484,7 @@ def test_export_scores_base_plus_adapter_where_the_run_did_not_validate_that_ste
         f"the first --eval-batches 1 x --batch-size 2): base {start:.4f} (scored here), base + "
         f"adapter {ref:.4f} (scored here), fused file {got:.4f} ({(got - ref) / ref:+.2%}); "
         f"{gain_note(start, ref, got, None, error, n)}")
-    assert n == 2 and "on 2 validation rows cannot be told from noise (" in lines[1]
+    assert n == 2 and "on 2 validation rows cannot be told from noise on so few rows (" in lines[1]
     # the rows' own losses add up to the figures printed
     assert [h.row_loss.sum() / h.row_n.sum() for h in held] == pytest.approx([start, ref, got],
                                                                              abs=1e-6)
@@ -561,11 +561,13 @@ def test_gain_note_says_a_gain_within_noise_instead_of_a_share():
         "the fused file keeps 70% of the fine-tune's held-out gain; the fine-tune's held-out "
         "gain on 5 validation rows: 0.2000 +- 0.0592 nats")
     assert gain_note(1.5, 1.3, 1.36, None, 0.2 / 3, 2) == (
-        "the fine-tune's held-out gain on 2 validation rows cannot be told from noise (0.2000 "
-        f"+- 0.0667 nats; fewer than 5 rows give no share of it): {more}")
+        "the fine-tune's held-out gain on 2 validation rows cannot be told from noise on so "
+        "few rows (0.2000 +- 0.0667 nats; fewer than 5 rows measure no noise, nor give a share "
+        f"of it): {more}")
     assert gain_note(1.5, 1.3, 1.36, None, math.nan, 1) == (
-        "the fine-tune's held-out gain on 1 validation row cannot be told from noise (0.2000 "
-        f"nats; fewer than 5 rows give no share of it): {more}")
+        "the fine-tune's held-out gain on 1 validation row cannot be told from noise on so few "
+        "rows (0.2000 nats; fewer than 5 rows measure no noise, nor give a share of it): "
+        f"{more}")
 
 
 def test_export_takes_the_runs_figures_only_for_its_base_from_a_zero_adapter(bases, tmp_path,

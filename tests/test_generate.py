@@ -1050,6 +1050,25 @@ def test_prompt_dash_reads_stdin_as_mlx_lm_does(stories_path, capsys, monkeypatc
     assert out.startswith(", there was a little girl"), out  # as with --prompt PROMPT
 
 
+def test_a_utf8_bom_on_stdin_is_not_part_of_the_prompt(stories_path, capsys, monkeypatch):
+    """A prompt.txt saved by Windows Notepad starts with a UTF-8 BOM: `--prompt - < prompt.txt`
+    fed it to the model as 3 more prompt tokens (a training text's BOM is dropped); the prompt
+    and the sample are those of the file without it, and a BOM alone is an empty stdin."""
+    runs = []
+    for raw in (PROMPT.encode(), b"\xef\xbb\xbf" + PROMPT.encode()):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(raw)))
+        assert cli.main(["--model", str(stories_path), "--prompt", "-", "--max-tokens", "12",
+                         "--temperature", "0"]) == 0
+        out, err = capsys.readouterr()
+        runs.append((out, [x.split(" new tokens")[0] for x in err.splitlines()
+                           if " prompt + " in x]))
+    assert runs[1] == runs[0] and runs[0][1] and runs[0][0].startswith(", there was")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xef\xbb\xbf")))
+    assert cli.main(["--model", str(stories_path), "--prompt", "-"]) == 2
+    assert capsys.readouterr().err == ("toymlx-generate: error: --prompt -: expected the prompt's "
+                                       "text on stdin, found it empty (ended at once)\n")
+
+
 def test_an_empty_stdin_for_prompt_dash_is_refused_not_generated_from_bos(stories_path, capsys,
                                                                         monkeypatch):
     """`producer | toymlx-generate --prompt -` where the producer wrote nothing: a BOS-only
@@ -1094,8 +1113,10 @@ def test_no_prompt_on_a_tokenizer_without_bos_names_the_ways_to_give_one_before_
 def test_nanogpts_file_prompt_is_refused_not_taken_as_the_text(stories_path, capsys, tmp_path,
                                                                 monkeypatch):
     """sample.py's `--start=FILE:prompt.txt` habit as `--prompt FILE:prompt.txt`: the story went
-    on from the 15 characters `FILE:prompt.txt`, exit 0; text that names no file is still text,
-    a text too long to be a file's name too (it was refused: "[Errno 36] File name too long")."""
+    on from the 15 characters `FILE:prompt.txt`, exit 0. A name that is not there (a typo) is
+    refused too, saying so (it was generated from as the text, exit 0); a text that cannot be a
+    file's name (a space after FILE:, too long: it was refused, "[Errno 36] File name too long")
+    is text."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my prompt.txt").write_text(PROMPT)
     assert cli.main(["--model", str(stories_path), "--prompt", "FILE:my prompt.txt"]) == 2
@@ -1104,7 +1125,13 @@ def test_nanogpts_file_prompt_is_refused_not_taken_as_the_text(stories_path, cap
         "toymlx-generate: error: --prompt: expected the prompt's text, found nanoGPT's "
         "'FILE:my prompt.txt' (sample.py's --start=FILE:...); to read my prompt.txt: "
         "--prompt - < 'my prompt.txt'\n")
-    for text in ("FILE:none.txt", "FILE: " + "a long line of notes " * 20):
+    assert cli.main(["--model", str(stories_path), "--prompt", "FILE:promt.txt"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        "toymlx-generate: error: --prompt: expected the prompt's text, found nanoGPT's "
+        "'FILE:promt.txt' (sample.py's --start=FILE:...), and no file promt.txt is there; to "
+        "read a file: --prompt - < FILE\n")
+    for text in ("FILE: notes", "FILE:" + "a_long_name" * 30, "FILE:two\nlines"):
         assert cli.main(["--model", str(stories_path), "--prompt", text, "--max-tokens", "2",
                          "--temperature", "0"]) == 0
 

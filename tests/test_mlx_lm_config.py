@@ -701,6 +701,26 @@ def test_grad_accumulation_counts_mlx_lm_s_micro_batches(tmp_path, base, data, c
                             "found 3")
 
 
+def test_a_micro_batch_note_on_a_key_left_out_says_it_is_mlx_lm_s_default():
+    """grad_accumulation_steps 3 and nothing else: mlx-lm's defaults iters 1000, steps_per_eval
+    200, steps_per_report 10 and save_every 100 fall mid-accumulation. The notes named them as
+    `key 'steps_per_report'`, a key the user looks for in the file and does not find; they say
+    it is mlx-lm's default, not in the file (a key the file holds is named as before)."""
+    _, _, notes = mlx_lm_options({"model": "m.gguf", "grad_accumulation_steps": 3,
+                                  "save_every": 7}, "f.yaml")
+    assert [n for n in notes if "micro-batches" in n and "averaged" not in n] == [
+        ("f.yaml: key 'iters' (mlx-lm's default, not in the file): 1000 micro-batches are 333 "
+         "optimizer steps of 3; mlx-lm's last 1 micro-batch updates nothing and is not drawn"),
+        ("f.yaml: key 'steps_per_eval' (mlx-lm's default, not in the file): every 200 "
+         "micro-batches falls inside an accumulation of 3; toymlx's --eval-every is every 66 "
+         "optimizer steps (198 micro-batches)"),
+        ("f.yaml: key 'steps_per_report' (mlx-lm's default, not in the file): every 10 "
+         "micro-batches falls inside an accumulation of 3; toymlx's --report-every is every 3 "
+         "optimizer steps (9 micro-batches)"),
+        ("f.yaml: key 'save_every': every 7 micro-batches falls inside an accumulation of 3; "
+         "toymlx's --checkpoint-every is every 2 optimizer steps (6 micro-batches)")]
+
+
 def test_max_seq_length_cuts_rows_where_mlx_lm_does(tmp_path):
     """mlx-lm's iterate_batches cuts a row to max_seq_length tokens, so trains max_seq_length - 1
     targets of it; toymlx's --seq-len counts targets. max_seq_length 40 was --seq-len 40 (41
@@ -1252,13 +1272,21 @@ def test_a_bad_value_is_named_by_the_file_s_own_key(tmp_path, base, capsys, extr
     ({"model": "{tmp}/nope.gguf"}, [],
      ("{path}: key 'model' (toymlx's --base): {tmp}/nope.gguf: expected an existing GGUF file, "
      "found nothing at that path")),
+    ({"lr_schedule": {"name": "cosine_decay", "arguments": [1e-5]}}, [],
+     ("{path}: key 'lr_schedule.arguments' (toymlx's --lr-schedule-args): expected the "
+     "arguments of MLX's cosine_decay, found [1e-05] (cosine_decay() missing 1 required "
+     "positional argument: 'decay_steps')")),
     ({}, ["--steps", "0"], "--steps: expected >= 1, found 0"),  # the flag's value: the flag
+    ({}, ["--lr-schedule", "cosine_decay", "--lr-schedule-args", "1e-5"],
+     ("--lr-schedule-args: expected the arguments of MLX's cosine_decay, found [1e-05] "
+     "(cosine_decay() missing 1 required positional argument: 'decay_steps')")),
 ])
 def test_a_value_refused_after_the_file_is_read_is_named_by_the_file_s_key(
         tmp_path, base, data, capsys, extra, argv, line):
     """A value the file's mapping passes on and a later check refuses (the recipe's, the
     trainer's, the data's) is one line naming the file and its mlx-lm key, with toymlx's flag in
-    brackets; it named only toymlx's flag (`--steps: expected >= 1, found 0` for `iters: 0`)."""
+    brackets; it named only toymlx's flag (`--steps: expected >= 1, found 0` for `iters: 0`;
+    `--lr-schedule-args [1e-05]: ...` for `lr_schedule.arguments` MLX's schedule refuses)."""
     small = tmp_path / "small"
     small.mkdir()
     (small / "train.jsonl").write_text("".join((data / "train.jsonl").read_text()

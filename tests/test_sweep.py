@@ -621,6 +621,33 @@ sys.exit(child.returncode)
 """
 
 
+NOTER = """#!{python}
+# the sweep's python: says a note as a run's toymlx-train says one, then is that toymlx-train
+import os, sys
+sys.stderr.write("toymlx-train: a note the sweep said before\\n")
+sys.stderr.flush()
+os.execv({python!r}, [{python!r}, *sys.argv[1:]])
+"""
+
+
+def test_a_run_s_note_the_sweep_said_before_is_not_said_again(tmp_path, capsys):
+    """`toymlx-sweep -c mlx_lm_lora.yaml` said "key 'adapter_path': not used" before its runs,
+    then again as "sweep: note 1" from the first run: run_sweep's `said` (the notes said
+    before) was replaced by its table of run states before it reached the runs' notes."""
+    noter = tmp_path / "noter"
+    noter.write_text(NOTER.format(python=sys.executable))
+    noter.chmod(0o755)
+    specs = sweep.grid([*TINY, "--steps", "2"], {"lr": [1e-3]}, recipe="from-scratch")
+    result = sweep.run_sweep("from-scratch", specs, tmp_path, sweep_id="n", progress=False,
+                             report_png=False, python=str(noter),
+                             said=["a note the sweep said before"])
+    assert result.states == {"lr=0.001": "done"}
+    assert "a note the sweep said before" in (tmp_path / "n" / "logs" / "lr=0.001.log"
+                                              ).read_text()
+    said = [x for x in capsys.readouterr().err.splitlines() if x.startswith("sweep: note")]
+    assert not any("a note the sweep said before" in x for x in said), said
+
+
 def test_a_killed_run_is_said_to_resume_from_its_checkpoints_and_does(tmp_path, capsys):
     """A run killed mid-way (kill -9, the out-of-memory killer): the sweep said "FAILED ...
     killed by SIGKILL" and the table "torn" (now both say torn), and nothing said that the same

@@ -397,8 +397,10 @@ def schedule(cfg: Config) -> Callable[[Any], Any]:
             main = getattr(optim.schedulers, cfg.lr_schedule)(*cfg.lr_schedule_args)
             first = float(main(mx.array(0)))
         except (TypeError, ValueError) as e:
-            raise ValueError(f"--lr-schedule-args {list(cfg.lr_schedule_args)}: expected the "
-                             f"arguments of MLX's {cfg.lr_schedule}, found {e}") from None
+            # `--flag: ...`, so that an mlx-lm config's error names its lr_schedule.arguments
+            raise ValueError(f"--lr-schedule-args: expected the arguments of MLX's "
+                             f"{cfg.lr_schedule}, found {list(cfg.lr_schedule_args)} ({e})"
+                             ) from None
     if not cfg.warmup:
         return main
     warm = optim.schedulers.linear_schedule(cfg.warmup_init, first, cfg.warmup)

@@ -522,11 +522,11 @@ def run_sweep(recipe: str, specs: Sequence[RunSpec], root: str | os.PathLike = "
         # its runs go on from their checkpoints, not from step 0)
         runs = [SweptRun(s, sweep_dir / s.name) for s in mine]
         steps = [next_step(sweep_dir, r, retry_failed) for r in runs]
-        said = {"skip": "finished before, skipped", "resume": "to resume from their checkpoints",
-                "report": "failed before, reported (--no-retry-failed)"}
+        states = {"skip": "finished before, skipped", "resume": "to resume from their checkpoints",
+                  "report": "failed before, reported (--no-retry-failed)"}
         stream.write(f"sweep {sweep_dir}: {counted(len(specs), 'run')}, {len(mine)} on this shard "
                      f"({shard[0]}/{shard[1]}), {counted(workers, 'worker')}"
-                     + "".join(f"; {steps.count(k)} {v}" for k, v in said.items() if k in steps)
+                     + "".join(f"; {steps.count(k)} {v}" for k, v in states.items() if k in steps)
                      + "\n")
         runner = _Runner(recipe, sweep_dir, runs, workers, retry_failed, busy_wait,
                          python or sys.executable, LiveView(stream, progress, heartbeat), stream,
