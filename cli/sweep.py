@@ -274,6 +274,7 @@ def _main(argv: list[str] | None) -> int | Callable[[], int]:
     """The sweep's options read and every run's checked: its exit status where they are
     refused, else the sweep to run (`_sweep`)."""
     from toymlx_cli.config_file import (
+        check_sweep_flag_typos,
         check_sweep_typos,
         defaults_from_file,
         file_key_error,
@@ -337,6 +338,8 @@ def _main(argv: list[str] | None) -> int | Callable[[], int]:
                              "random_seed in a -c file), found no --random; give runs a "
                              "training seed with --grid seed=S, after `--`, or as seed in a -c "
                              "file")
+        # flags after `--` are the runs' by the user's word; before it, a sweep flag misspelt
+        check_sweep_flag_typos(parser, get_recipe(args.recipe).Config, rest)
         if mlx_lm:  # its keys checked, and the table shown, as toymlx-train -c shows it
             _mlx_lm_table(run_options, path, passthrough, file_grid, args)
         elif run_options:  # checked now, as toymlx-train -c would check it in every run
