@@ -11,6 +11,7 @@ from collections.abc import Callable
 from functools import partial
 
 from toymlx_cli import (
+    OneLineParser,
     VersionAction,
     console_command,
     console_streams,
@@ -61,7 +62,7 @@ EXAMPLE = "toymlx-sweep --recipe vit-tiny --grid lr=1e-3,3e-3 -- --steps 100"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="toymlx-sweep", allow_abbrev=False, epilog=EPILOG,
+    p = OneLineParser(prog="toymlx-sweep", allow_abbrev=False, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Run a grid or random search of toymlx-train runs.")
     p.add_argument("-c", "--config", metavar="FILE",

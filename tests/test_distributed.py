@@ -1065,6 +1065,31 @@ def test_another_launcher_s_process_count_names_n(capsys, argv, flag, whose):
         "-n 2 -- toymlx-train ...\n")
 
 
+@pytest.mark.parametrize("prog, argv, want", [
+    ("launch", ["-n", "two", "--", "toymlx-train"], "-n: expected an integer, found 'two'"),
+    ("launch", ["-n", "--", "toymlx-train"], "-n: expected a value, found none"),
+    ("launch", ["--grace", "soon", "--", "toymlx-train"],
+     "--grace: expected a number, found 'soon'"),
+    ("launch", ["--hots", "a,b", "--", "toymlx-train"],
+     "--hots: expected an option of toymlx-launch, got an unknown one; did you mean --hosts?"),
+    ("sweep", ["--recipe", "from-scratch", "--grid", "lr=1e-3", "--workers", "two"],
+     "--workers: expected an integer, found 'two'"),
+    ("report", ["--ovewrite"], ("--ovewrite: expected an option of toymlx-report, got an "
+                                "unknown one; did you mean --overwrite?")),
+])
+def test_the_argparse_commands_refuse_a_flag_in_one_line(capsys, prog, argv, want):
+    """`toymlx-launch -n two` was argparse's usage line, then "argument -n: invalid int value:
+    'two'", naming nothing expected; toymlx-sweep's and toymlx-report's parsers alike
+    ("unrecognized arguments: --ovewrite", no hint). One line now, as the tyro commands say it."""
+    import importlib
+
+    main = importlib.import_module(f"toymlx_cli.{prog}").main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"toymlx-{prog}: error: {want}\n"
+
+
 def test_torchrun_s_world_size_is_refused_before_the_run_folder(tmp_path, capsys, monkeypatch):
     """`torchrun --nproc_per_node 2 toymlx-train ...` (WORLD_SIZE=2, RANK, LOCAL_RANK): each
     process trained alone on the whole batch, into a folder of its own, and both exited 0."""
