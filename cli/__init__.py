@@ -74,6 +74,49 @@ class VersionAction(argparse.Action):
         parser.exit()
 
 
+ARGPARSE_KINDS = {"int": "an integer", "float": "a number"}
+"""argparse's `invalid int value` as the other commands' refusals say it (`usage._KINDS`)."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, its refusals one line in the words of the tyro commands' (`FLAG: expected
+    ..., found ...`), without the usage block: `toymlx-launch -n two` was the usage line and
+    'argument -n: invalid int value: 'two'', naming nothing expected."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {self.one_line(message)}\n")
+
+    def one_line(self, message: str) -> str:
+        """argparse's `message` as the house's refusal: the flag first, what was expected, what
+        was found; an unknown option with the closest of this command's."""
+        import difflib
+        import re
+
+        if m := re.fullmatch(r"argument (\S+?)(?:/\S+)?: invalid (\w+) value: (.*)", message):
+            kind = ARGPARSE_KINDS.get(m[2], f"a value of type {m[2]}")
+            return f"{m[1]}: expected {kind}, found {m[3]}"
+        if m := re.fullmatch(r"argument (\S+?)(?:/\S+)?: expected (one|\d+) arguments?", message):
+            return f"{m[1]}: expected {'a value' if m[2] == 'one' else m[2] + ' values'}, " \
+                   "found none"
+        if message.startswith("unrecognized arguments: "):
+            options = [o for a in self._actions for o in a.option_strings]
+            parts, owed = [], False
+            for token in message.removeprefix("unrecognized arguments: ").split():
+                flag, eq, _ = token.partition("=")
+                if not flag.startswith("-"):
+                    if not owed:  # the value right after an unknown flag is its own
+                        parts.append(f"{token!r}: expected an option of {self.prog}, got a "
+                                     "value no option takes")
+                    owed = False
+                    continue
+                owed = not eq
+                close = difflib.get_close_matches(flag, options, n=1, cutoff=0.75)
+                parts.append(f"{flag}: expected an option of {self.prog}, got an unknown one"
+                             + (f"; did you mean {close[0]}?" if close else ""))
+            return "; ".join(parts)
+        return message.removeprefix("argument ")
+
+
 def drop_output(stream: Any = None) -> None:
     """Point `stream` (sys.stdout by default) at os.devnull once its reader has gone (`| head`):
     what is still buffered and whatever comes later is discarded, where another write (Python's

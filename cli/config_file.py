@@ -836,19 +836,43 @@ def _check_not_wandb_grid(grid: dict[Any, Any], path: str) -> None:
                 "distribution")
 
 
+def sweep_key_near(parser: argparse.ArgumentParser, cls: type, key: str) -> str | None:
+    """The sweep's own key (`workers`) that `key` (`worker`, `--wrokers`) is a typo of, where
+    `key` is no option of the runs (`cls`), else None: such a key would be passed to every run
+    and refused there, named with the closest run option's hint, or none."""
+    runs = option_table(cls)
+    name = _norm(key)
+    if name in runs or any(k.startswith(name + ".") for k in runs):
+        return None
+    own = sorted(k for k in _parser_table(parser) if k not in SWEEP_RUN_KEYS)
+    close = difflib.get_close_matches(name, own, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
 def check_sweep_typos(parser: argparse.ArgumentParser, cls: type, run_options: dict[str, Any],
                       path: str) -> None:
     """ConfigFileError for a key of a sweep file that is no option of the runs (`cls`) but
     close to one of the sweep's own (`gird`, `worker`): it would be read as a run option and
     named without a hint, with the closest run option's, or none."""
-    runs = option_table(cls)
-    own = sorted(k for k in _parser_table(parser) if k not in SWEEP_RUN_KEYS)
     for key in run_options:
-        name = _norm(str(key))
-        if name in runs or any(k.startswith(name + ".") for k in runs):
-            continue
-        close = difflib.get_close_matches(name, own, n=1, cutoff=0.75)
+        close = sweep_key_near(parser, cls, str(key))
         if close:
             raise ConfigFileError(f"{path}: key {key!r}: expected a key of toymlx-sweep or an "
                                   f"option of its runs, found an unknown key; did you mean "
-                                  f"{close[0]} (toymlx-sweep's {_flag(close[0])})?")
+                                  f"{close} (toymlx-sweep's {_flag(close)})?")
+
+
+def check_sweep_flag_typos(parser: argparse.ArgumentParser, cls: type, flags: list[str]
+                           ) -> None:
+    """ValueError for a flag given to toymlx-sweep before any `--` that is no option of the
+    runs (`cls`) but close to one of the sweep's own (`--wrokers 2`): it went to every run,
+    whose toymlx-train named only its own options (`--wrokers: expected an option of
+    toymlx-train --recipe from-scratch`), not the sweep flag meant."""
+    for arg in flags:
+        if not arg.startswith("--"):
+            continue
+        flag = arg.partition("=")[0]
+        close = sweep_key_near(parser, cls, flag)
+        if close:
+            raise ValueError(f"{flag}: expected an option of toymlx-sweep or of its runs, found "
+                             f"an unknown one; did you mean {_flag(close)} (toymlx-sweep's)?")

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from toymlx_cli import (
+    OneLineParser,
     VersionAction,
     console_command,
     console_streams,
@@ -30,7 +31,7 @@ def _peer_flag(argv: list[str]) -> str | None:
 
 def _parser() -> argparse.ArgumentParser:
     """toymlx-launch's options (the command after `--` is not among them)."""
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="toymlx-launch", allow_abbrev=False,
         usage="toymlx-launch [-n N] [--hosts H] [--grace S] -- COMMAND ...",
         description="Run COMMAND (e.g. toymlx-train --recipe ...) as N data-parallel ranks "

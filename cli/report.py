@@ -7,6 +7,7 @@ import os
 import sys
 
 from toymlx_cli import (
+    OneLineParser,
     VersionAction,
     console_command,
     console_streams,
@@ -21,7 +22,7 @@ DEFAULT_DIR = "runs"
 
 def _parser() -> argparse.ArgumentParser:
     """toymlx-report's options."""
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="toymlx-report", allow_abbrev=False,
         description="Draw training loss, validation and learning-rate curves of run bundles "
                     "side by side, with a summary table (also printed).")

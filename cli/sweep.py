@@ -11,6 +11,7 @@ from collections.abc import Callable
 from functools import partial
 
 from toymlx_cli import (
+    OneLineParser,
     VersionAction,
     console_command,
     console_streams,
@@ -61,7 +62,7 @@ EXAMPLE = "toymlx-sweep --recipe vit-tiny --grid lr=1e-3,3e-3 -- --steps 100"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="toymlx-sweep", allow_abbrev=False, epilog=EPILOG,
+    p = OneLineParser(prog="toymlx-sweep", allow_abbrev=False, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Run a grid or random search of toymlx-train runs.")
     p.add_argument("-c", "--config", metavar="FILE",
@@ -101,24 +102,34 @@ def _shard(text: str) -> tuple[int, int]:
 def _axes(args: argparse.Namespace, file_grid: dict, path: str | None,
           mlx_lm: bool = False) -> dict:
     """The sweep's axes: the file's grid, each key's values replaced by a --grid of that key
-    (keys compared as option names: model.d-model is model.d_model). `mlx_lm`: the runs' file
-    is mlx-lm's, and a grid key spelt as its key (learning_rate) is refused naming toymlx's
-    option (--lr)."""
+    (keys compared as option names: model.d-model is model.d_model). A grid key spelt as
+    another tool's (nanoGPT's learning_rate, n_layer) is refused naming toymlx's option (--lr),
+    as toymlx-train names it; `mlx_lm`: the runs' file is mlx-lm's, and its keys are named so
+    first."""
     from toymlx_cli.config_file import file_words, mlx_lm_hint, option_table
+    from toymlx_cli.usage import flag_hint
 
     from toymlx import sweeps as sweep
     from toymlx.recipes import get_recipe
+
+    table = option_table(get_recipe(args.recipe).Config)
+
+    def peer(key: str) -> str | None:
+        """toymlx-train's hint for another tool's `key`; None for a spelling's (`did you mean`,
+        which the refusal has already)."""
+        said = flag_hint(key, dict.fromkeys(table, False), f"toymlx-train --recipe {args.recipe}")
+        return None if said is None or said.startswith("did you mean") else said
 
     def axis(key: str, parse, in_file: bool = False):
         try:
             return parse()
         except ValueError as e:
-            hint = mlx_lm and "found no option" in str(e) and mlx_lm_hint(key, "toymlx-train",
-                                                                         in_file)
+            hint = "found no option" in str(e) and (
+                (mlx_lm and mlx_lm_hint(key, "toymlx-train", in_file)) or peer(key))
             if not hint:
                 raise
             if in_file:  # the file's grid key: named as the key to write there (lr, not --lr)
-                hint = file_words(hint, option_table(get_recipe(args.recipe).Config))
+                hint = file_words(hint, table)
             # the option named by mlx-lm's meaning, not the closest by spelling: `iters` got
             # "(did you mean test?)" before naming --steps
             said = re.sub(r" \(did you mean [^)]*\)", "", str(e))
@@ -275,6 +286,7 @@ def _main(argv: list[str] | None) -> int | Callable[[], int]:
     """The sweep's options read and every run's checked: its exit status where they are
     refused, else the sweep to run (`_sweep`)."""
     from toymlx_cli.config_file import (
+        check_sweep_flag_typos,
         check_sweep_typos,
         defaults_from_file,
         file_key_error,
@@ -338,6 +350,8 @@ def _main(argv: list[str] | None) -> int | Callable[[], int]:
                              "random_seed in a -c file), found no --random; give runs a "
                              "training seed with --grid seed=S, after `--`, or as seed in a -c "
                              "file")
+        # flags after `--` are the runs' by the user's word; before it, a sweep flag misspelt
+        check_sweep_flag_typos(parser, get_recipe(args.recipe).Config, rest)
         if mlx_lm:  # its keys checked, and the table shown, as toymlx-train -c shows it
             _mlx_lm_table(run_options, path, passthrough, file_grid, args)
         elif run_options:  # checked now, as toymlx-train -c would check it in every run

@@ -1441,6 +1441,54 @@ def test_a_sweep_flag_over_its_file_is_named_as_the_flag(tmp_path, capsys):
         "toymlx-sweep: error: --workers: expected >= 1, found 0")
 
 
+@pytest.mark.parametrize("recipe, grid, want", [
+    ("from-scratch", "learning_rate=1e-3,3e-3", ("--grid learning_rate: expected an option of "
+     "recipe from-scratch, found no option --learning-rate; nanoGPT's learning_rate is toymlx's "
+     "--lr")),
+    # it was "(did you mean model.n_layers?)": right by luck of spelling, not by nanoGPT's word
+    ("from-scratch", "n_layer=2,4", ("--grid n_layer: expected an option of recipe "
+     "from-scratch, found no option --n-layer; nanoGPT's n_layer is toymlx's --model.n-layers")),
+    ("vit-tiny", "smoothing=0.1", ("--grid smoothing: expected an option of recipe vit-tiny, "
+     "found no option --smoothing; timm's --smoothing is --label-smoothing here")),
+    # a misspelling keeps its spelling hint
+    ("from-scratch", "lrr=1e-3", ("--grid lrr: expected an option of recipe from-scratch, found "
+     "no option --lrr (did you mean lr?)")),
+])
+def test_a_grid_key_of_another_tool_names_toymlx_s_option(tmp_path, capsys, recipe, grid, want):
+    """`--grid learning_rate=...` (nanoGPT's name) said only "found no option --learning-rate",
+    where `toymlx-train --learning_rate` names --lr: a grid key now gets toymlx-train's hint
+    for another tool's flag (nanoGPT's, timm's), as an mlx-lm file's grid key already did."""
+    from cli_errors import error_line
+
+    assert sweep_main(["--recipe", recipe, "--grid", grid, "--runs-root",
+                       str(tmp_path / "r")]) == 2
+    assert error_line(capsys, "toymlx-sweep") == f"toymlx-sweep: error: {want}"
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("typed, want", [
+    (["--wrokers", "2"], ("--wrokers: expected an option of toymlx-sweep or of its runs, found "
+     "an unknown one; did you mean --workers (toymlx-sweep's)?")),
+    (["--no-progres"], ("--no-progres: expected an option of toymlx-sweep or of its runs, found "
+     "an unknown one; did you mean --no-progress (toymlx-sweep's)?")),
+    # a run option misspelt is still the run's refusal, with its hint
+    (["--stpes", "3"], ("run lr=0.001: --stpes: expected an option of toymlx-train --recipe "
+     "from-scratch, got an unknown one; did you mean --steps?; no run was started")),
+])
+def test_a_sweep_flag_misspelt_on_the_command_line_names_the_sweep_flag(tmp_path, capsys, typed,
+                                                                         want):
+    """`--wrokers 2` went to every run, refused as 'run lr=0.001: --wrokers: expected an option
+    of toymlx-train --recipe from-scratch, got an unknown one', naming no flag of the sweep's,
+    where the same typo in a sweep file (`wrokers: 2`) named --workers."""
+    from cli_errors import error_line
+
+    argv = ["--recipe", "from-scratch", "--grid", "lr=1e-3", "--runs-root", str(tmp_path / "r"),
+            *typed]
+    assert sweep_main(argv) == 2
+    assert error_line(capsys, "toymlx-sweep") == f"toymlx-sweep: error: {want}"
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("argv", [[], ["--grid", "lr=1e-3,3e-3"]])
 def test_a_sweep_without_a_recipe_names_the_recipes_and_a_sweep_as_typed(tmp_path, capsys,
                                                                          monkeypatch, argv):

@@ -318,17 +318,22 @@ def _without_colour(mlx_launch: ModuleType) -> None:
     mlx_launch.log, mlx_launch.log_warning = log, log_warning
 
 
+REFUSED = 2
+"""The exit code of a command that refused its options before doing anything (toymlx's
+commands, argparse's, tyro's), having said why in one line."""
+
+
 def _quiet_stops(mlx_launch: ModuleType) -> None:
     """mlx.launch's "[WARN] Node with rank R exited with code C" lines, less those of ranks
-    stopped by a signal (C in `STOP_CODES`): a stop is no failure, and toymlx-launch itself
-    names every rank that did not end cleanly (`failures`). Any other line, or one mlx words
-    differently, still shows."""
+    stopped by a signal (C in `STOP_CODES`) or refusing the command line (`REFUSED`): a stop
+    is no failure, a refusal says itself, and toymlx-launch itself names every rank that did
+    not end cleanly (`failures`). Any other line, or one mlx words differently, still shows."""
     warn = mlx_launch.log_warning
 
     def log_warning(*args: object, **kwargs: object) -> None:
         m = re.fullmatch(r"Node with rank \d+ exited with code (-?\d+)",
                          " ".join(map(str, args)))
-        if m is None or int(m[1]) not in STOP_CODES:
+        if m is None or int(m[1]) not in STOP_CODES | {REFUSED}:
             warn(*args, **kwargs)
     mlx_launch.log_warning = log_warning
 
@@ -557,6 +562,11 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
             stream.write(f"toymlx-launch: {line}\n")  # the ranks `left_waiting` names
         stream.flush()
         return stop_outcome(READER_GONE)[1] if stop.first == READER_GONE else bad[0][0]
+    if len(bad) == ranks and all(code == REFUSED for code, _ in bad.values()):
+        # every rank refused the command as one process does (`toymlx-train --batch-size 5`:
+        # rank 0's line said why): that line alone, as the command's, the exit status its 2;
+        # "ranks 0-2: exit code 2" and "failed: 3 of 3 ranks ..." added nothing
+        return REFUSED
     for line in failure_lines(bad, ranks):
         stream.write(f"toymlx-launch: {line}\n")
     stream.flush()
@@ -613,7 +623,9 @@ def _local_command(name: str) -> str:
 def _say_failed(bad: dict[int, tuple[int | None, str]], grace: float, stream: TextIO) -> None:
     """The line that starts the other ranks' `grace` seconds; none for ranks stopped by a
     signal (`STOP_CODES`): the others are ending the same way."""
-    if all(code in STOP_CODES for code, _ in bad.values()):
+    if all(code in STOP_CODES | {REFUSED} for code, _ in bad.values()):
+        # a refusal (2) is said by the command, and every rank of toymlx-train refuses alike;
+        # a rank left running is killed after `grace` and named in the closing lines
         return
     r, (_, why) = min(bad.items())
     stream.write(f"toymlx-launch: rank {r} failed ({why}); the other ranks get {grace:g} s to "
