@@ -369,6 +369,9 @@ class TokenData:
         need = seq_len + 1
         if len(train) < need:
             fits = min(len(train), len(val) if val_fraction > 0 else len(train)) - 1  # both
+            # a validation split of 0 or 1 token holds no window at any --seq-len: the text's
+            # whole length trains without one
+            alone = n - 1 if fits <= 0 and 0 < val_fraction and len(val) <= 1 else 0
             most = math.floor((n - need) / n * 1000) / 1000 if n >= need else 0.0
             raise DataError(
                 f"{source}: training split: expected at least {need} tokens (a window of "
@@ -377,7 +380,9 @@ class TokenData:
                     "a longer text",
                     0 < most < val_fraction and n - round(n * most) >= need
                     and f"--data.val-fraction {most:g} or less",
-                    fits > 0 and f"--seq-len {fits} or less"))
+                    fits > 0 and f"--seq-len {fits} or less",
+                    alone > 0 and f"--seq-len {alone} or less with --data.val-fraction 0 (no "
+                    "validation)"))
         if val_fraction > 0 and len(val) < need:
             # the least fraction whose split holds a window, where the rest still holds one
             least = math.ceil(need / n * 1000) / 1000
