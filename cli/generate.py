@@ -106,14 +106,18 @@ def within_stdin_limit(raw: str | bytes, what: str) -> str | bytes:
 
 def utf8_text(value: str | bytes, what: str) -> str:
     """`value` as text; UsageError naming `what` and the first thing that is not UTF-8: a byte
-    (undecodable bytes of the command line arrive as surrogate escapes, U+DC80..U+DCFF) or a
-    lone surrogate."""
+    (with the iconv line a training file's gets, for stdin: `single_byte_hint`; undecodable
+    bytes of the command line arrive as surrogate escapes, U+DC80..U+DCFF) or a lone
+    surrogate."""
     if isinstance(value, bytes):
         try:
             return value.decode("utf-8")
         except UnicodeDecodeError as e:
+            from toymlx.data.text import single_byte_hint
+
+            hint = single_byte_hint(None, value[e.start]) if value[:e.start].isascii() else ""
             raise UsageError(f"{what}: expected UTF-8 text, found the byte 0x{value[e.start]:02x} "
-                             f"at byte {e.start}") from None
+                             f"at byte {e.start}{hint}") from None
     if found := not_utf8(value):
         raise UsageError(f"{what}: expected UTF-8 text, found {found}")
     return value

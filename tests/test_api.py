@@ -553,8 +553,9 @@ def test_refusals_and_resume_are_told_in_keywords_and_resume_needs_no_recipe(tmp
     with pytest.raises(toymlx.OptionError) as caught:
         toymlx.train("from-scratch", **TINY, runs_root=str(tmp_path), run_id="r", echo=False)
     assert str(caught.value) == (
-        f'toymlx-train: error: {run}: run bundle already exists; pass resume="{run}" to continue '
-        "it, overwrite=True to replace it, or choose another run_id")
+        f"toymlx-train: error: {run}: run bundle already exists; continue it with "
+        f'toymlx.train(resume="{run}"), pass overwrite=True to replace it, or choose another '
+        "run_id")
     with pytest.raises(toymlx.OptionError) as caught:
         toymlx.train(resume=str(run), seq_len=64, echo=False)
     assert str(caught.value) == (

@@ -862,9 +862,9 @@ def test_a_new_run_killed_before_its_first_step_is_started_over_by_the_same_comm
     left = sorted(p.name for p in run.iterdir() if p.name != ".lock")  # the dead one's lock
     assert [n for n in left if not n.startswith("events.out.tfevents.")] == [
         "config.json", "events.jsonl", "weights"], left
-    refused = (f"toymlx-train: error: {run}: run bundle already exists; pass --resume {run} to "
-               f"continue it (--resume {run} --from step_0 to start it over), --overwrite to "
-               "replace it, or choose another --run-id")
+    refused = (f"toymlx-train: error: {run}: run bundle already exists; continue it with "
+               f"toymlx-train --resume {run} (toymlx-train --resume {run} --from step_0 to start "
+               "it over), pass --overwrite to replace it, or choose another --run-id")
     capsys.readouterr()
     assert main([*cmd, "--steps", "3"]) == 2  # other options: not the same run
     assert capsys.readouterr().err.strip() == refused
@@ -901,9 +901,9 @@ def test_a_new_run_killed_after_a_step_is_not_started_over(tmp_path, shared_file
     capsys.readouterr()
     assert main(cmd) == 2
     assert capsys.readouterr().err.strip() == (
-        f"toymlx-train: error: {run}: run bundle already exists; pass --resume {run} to continue "
-        f"it (--resume {run} --from step_0 to start it over), --overwrite to replace it, or "
-        "choose another --run-id")
+        f"toymlx-train: error: {run}: run bundle already exists; continue it with toymlx-train "
+        f"--resume {run} (toymlx-train --resume {run} --from step_0 to start it over), pass "
+        "--overwrite to replace it, or choose another --run-id")
     assert [e["kind"] for e in read_events(run)] == ["run_start", "step"]
 
 

@@ -492,6 +492,18 @@ def test_prompt_from_empty_stdin_is_named_as_typed(monkeypatch, capsys):
                                        "on stdin, found it empty (ended at once)\n")
 
 
+def test_a_latin1_prompt_on_stdin_gets_the_iconv_hint_a_training_file_gets(monkeypatch,
+                                                                           capsys):
+    """A Latin-1 prompt piped to -p - was refused without the hint a training file gets (which
+    byte it is in Windows-1252, and the iconv that converts it): now the same helper gives it."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("café au lait".encode("latin-1"))))
+    assert cli.main(["--model", "nowhere.gguf", "-p", "-"]) == 2
+    assert capsys.readouterr().err == (
+        "toymlx-generate: error: stdin: expected UTF-8 text, found the byte 0xe9 at byte 3 (0xe9 "
+        "is 'é' in Windows-1252, Latin-1's superset: pipe it through iconv -f CP1252 -t "
+        "UTF-8)\n")
+
+
 def test_samples_refused_for_a_file_s_value_name_its_key(tmp_path, capsys):
     """A -c file's `temp: 0` (or a `seed:` too high) with --num-samples 2 named --temperature
     (--seed) in the middle of a line on --num-samples; the line now leads with that option, so
@@ -840,8 +852,9 @@ def test_a_chat_turn_that_is_not_utf8_is_refused_and_the_conversation_goes_on(ch
         turns = cli.chat(model, tok, args, model.args.context, stdin, out := io.StringIO())
         replies[case] = (turns, out.getvalue(), capsys.readouterr().err)
     assert replies["clean"][0] == 2 and replies["clean"][2] == ""
-    for case, at in (("bad byte", "the byte 0xff at byte 2"),
-                     ("cut sequence", "the byte 0xe2 at byte 0")):
+    latin1 = "in Windows-1252, Latin-1's superset: pipe it through iconv -f CP1252 -t UTF-8)"
+    for case, at in (("bad byte", f"the byte 0xff at byte 2 (0xff is 'ÿ' {latin1}"),
+                     ("cut sequence", f"the byte 0xe2 at byte 0 (0xe2 is 'â' {latin1}")):
         assert replies[case][:2] == replies["clean"][:2]
         assert replies[case][2] == (f"toymlx-generate: error: stdin line 2: expected UTF-8 text, "
                                     f"found {at}; the turn is skipped, the conversation goes on\n")

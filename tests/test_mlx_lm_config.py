@@ -547,6 +547,27 @@ def test_an_adapter_path_already_taken_is_named_by_the_file_s_key(tmp_path, base
     assert error_line(capsys) == "toymlx-train: error: " + line.format(path=path, run=run)
 
 
+def test_a_finished_run_s_file_run_again_names_the_one_command_that_resumes_it(
+        tmp_path, base, data, capsys):
+    """`-c FILE` run again on its finished run said "pass --resume RUN", and `-c FILE --resume
+    RUN` is refused (a resume keeps its saved options): two tries. The refusal now gives the
+    whole command, which resumes the run as typed."""
+    run = tmp_path / "runs" / "r"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": str(base), "data": str(data), "iters": 1,
+                                    "batch_size": 2, "max_seq_length": 32, "val_batches": 1,
+                                    "adapter_path": str(run)}))
+    assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 0
+    capsys.readouterr()
+    assert main(["-c", str(path), "--no-progress", "--no-compile"]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: {path}: key 'adapter_path' (toymlx's --runs-root and --run-id): "
+        f"{run}: run bundle already exists; continue it with toymlx-train --resume {run}, pass "
+        f"--overwrite to replace it, or set another adapter_path in {path}")
+    assert main(["--resume", str(run), "--steps", "2", "--no-progress", "--no-compile"]) == 0
+    assert [e["step"] for e in read_events(run) if e["kind"] == "step"] == [1, 2]
+
+
 def test_toymlx_s_own_files_keep_their_meaning(tmp_path, capsys):
     assert not is_mlx_lm_config({"lr": 1e-3, "lora": {"rank": 4}, "data": {"path": "x"},
                                  "seed": 1, "batch_size": 2, "optimizer": "adam"})

@@ -660,8 +660,8 @@ def test_overwrite_takes_an_empty_folder_and_a_run_killed_before_its_first_step(
     assert train(tmp_path, "k", "--steps", "2", data=data) == 2
     assert error_line(capsys) == (
         f"toymlx-train: error: {run}: a run bundle already exists but never reached its first "
-        f"step (config.json, no events.jsonl); pass --overwrite to replace it, --resume {run} "
-        "--from step_0 to start it over, or choose another --run-id")
+        f"step (config.json, no events.jsonl); pass --overwrite to replace it, toymlx-train "
+        f"--resume {run} --from step_0 to start it over, or choose another --run-id")
     assert train(tmp_path, "k", "--steps", "2", "--overwrite", data=data) == 0
     (run / "events.jsonl").unlink()
     for p in (run / "weights").iterdir():

@@ -752,8 +752,8 @@ def test_a_taken_run_id_says_overwrite_waits_for_its_offline_w_and_b_run(tmp_pat
     (offline / "run-abc.wandb").write_bytes(b"the run's only copy")
     capsys.readouterr()
     assert main(flags) == 2
-    head = (f"toymlx-train: error: {run}: run bundle already exists; pass --resume {run} to "
-            "continue it, --overwrite to replace it")
+    head = (f"toymlx-train: error: {run}: run bundle already exists; continue it with "
+            f"toymlx-train --resume {run}, pass --overwrite to replace it")
     assert error_line(capsys) == (f"{head} once its offline W&B run is uploaded (wandb sync "
                                   f"{shlex.quote(str(offline))}), or choose another --run-id")
     (offline / "run-abc.wandb.synced").touch()  # as `wandb sync` marks what it uploaded

@@ -168,7 +168,9 @@ def test_split_sizes_last_fraction_is_validation():
 def test_split_too_short_errors_name_source_sizes_and_the_flags_that_fit():
     """A 3-line file said "use a longer text, a shorter seq_len or a larger val_fraction": no
     flag is spelt so (--seq-len, --data.val-fraction), and no value was named; the training
-    split's --seq-len fitted it alone, and the validation split then refused that too."""
+    split's --seq-len fitted it alone, and the validation split then refused that too. A text
+    whose validation split holds 1 token said only "use a longer text": it names the largest
+    --seq-len the whole text fits without validation."""
     with pytest.raises(DataError) as err:
         TokenData.from_ids(np.arange(50), seq_len=8, source="tiny.txt")
     assert str(err.value) == (
@@ -188,6 +190,11 @@ def test_split_too_short_errors_name_source_sizes_and_the_flags_that_fit():
         "three.txt: training split: expected at least 65 tokens (a window of --seq-len 64 and "
         "the token after it), found 32 (of the text's 36); use a longer text or --seq-len 3 or "
         "less")  # 3, not 31: the validation split's 4 tokens hold no longer window
+    with pytest.raises(DataError) as err:  # a 1-token validation split: no --seq-len fits it
+        TokenData.from_ids(np.arange(13), seq_len=32, source="hi.txt")
+    assert str(err.value).endswith("found 12 (of the text's 13); use a longer text or --seq-len "
+                                   "12 or less with --data.val-fraction 0 (no validation)")
+    assert len(TokenData.from_ids(np.arange(13), 12, 0.0).train) == 13  # the largest that fits
     with pytest.raises(DataError) as err:
         TokenData.from_ids(np.arange(8), seq_len=8, val_fraction=0.0, source="tiny.txt")
     assert str(err.value).endswith("found 8 (of the text's 8); use a longer text or --seq-len "

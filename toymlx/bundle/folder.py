@@ -308,18 +308,21 @@ def _names(held: list[Path], shown: int = 4) -> str:
 
 def _taken_message(run_dir: Path, what: str, held: list[Path]) -> str:
     """Why a fresh run cannot take an existing folder, by what it holds (`folder_kind`)."""
+    # The whole command, not "pass --resume": a resume takes the run's saved options, so the
+    # command that made the run plus --resume is refused where it gave a -c file
+    resume = f"toymlx-train --resume {shlex.quote(str(run_dir))}"
     if what == "run":
         hint = ("" if ck.list_checkpoints(run_dir / "weights")
-                else f" (--resume {run_dir} --from step_0 to start it over)")
+                else f" ({resume} --from step_0 to start it over)")
         # said here too: --overwrite would be refused until then (`upload_first`)
         upload = wandb_to_upload(run_dir)
         sync = f" once its offline W&B run is uploaded ({_sync_line(upload)})" if upload else ""
-        return (f"{run_dir}: run bundle already exists; pass --resume {run_dir} to continue "
-                f"it{hint}, --overwrite to replace it{sync}, or choose another --run-id")
+        return (f"{run_dir}: run bundle already exists; continue it with {resume}{hint}, pass "
+                f"--overwrite to replace it{sync}, or choose another --run-id")
     if what == "unstarted":
         return (f"{run_dir}: a run bundle already exists but never reached its first step "
-                f"({CONFIG_FILE}, no {EVENTS_FILE}); pass --overwrite to replace it, --resume "
-                f"{run_dir} --from step_0 to start it over, or choose another --run-id")
+                f"({CONFIG_FILE}, no {EVENTS_FILE}); pass --overwrite to replace it, "
+                f"{resume} --from step_0 to start it over, or choose another --run-id")
     return (f"{run_dir}: expected a new or empty folder for the run, found a folder that is "
             f"not a run bundle, holding {_names(held)}; choose another --run-id or --runs-root")
 

@@ -161,7 +161,7 @@ def _pieces(path: Path, f: BinaryIO, block: int) -> Iterator[str]:
                 raise DataError(
                     f"{path}: not valid UTF-8 at byte offset {offset + e.start} (line {line}, "
                     f"byte 0x{data[e.start]:02x}); expected UTF-8 text, re-save the file as UTF-8"
-                    f"{_single_byte_hint(path, data[e.start]) if single else ''}") from None
+                    f"{single_byte_hint(path, data[e.start]) if single else ''}") from None
             if first and text:
                 text, first = text.removeprefix("\ufeff"), False  # a UTF-8 BOM is not content
             if text:
@@ -177,18 +177,22 @@ def _pieces(path: Path, f: BinaryIO, block: int) -> Iterator[str]:
         raise DataError(f"{path}: {what}; expected UTF-8 text")
 
 
-def _single_byte_hint(path: Path, byte: int) -> str:
-    """The iconv line that re-saves `path` as UTF-8 where its first non-ASCII `byte` is not
-    UTF-8 and nothing before it was (so not a UTF-8 file cut or spliced): a single-byte
-    encoding, most often Windows-1252 (Latin-1's superset: old Project Gutenberg texts, files
-    saved by Windows programs), named with the character the byte is there."""
+def single_byte_hint(path: Path | None, byte: int) -> str:
+    """The iconv line that re-saves `path` (None: stdin, piped through iconv) as UTF-8 where its
+    first non-ASCII `byte` is not UTF-8 and nothing before it was (so not a UTF-8 file cut or
+    spliced): a single-byte encoding, most often Windows-1252 (Latin-1's superset: old Project
+    Gutenberg texts, files saved by Windows programs), named with the character the byte is
+    there."""
     try:
         char = bytes([byte]).decode("cp1252")
     except UnicodeDecodeError:  # 0x81, 0x8d, 0x8f, 0x90, 0x9d: not Windows-1252's
         return ""
-    names = _shell_names(path)
-    return (f" (0x{byte:02x} is {char!r} in Windows-1252, Latin-1's superset: "
-            f"{_resave_line('CP1252', names['sh'], names['utf8'])})")
+    if path is None:
+        fix = "pipe it through iconv -f CP1252 -t UTF-8"
+    else:
+        names = _shell_names(path)
+        fix = _resave_line("CP1252", names["sh"], names["utf8"])
+    return f" (0x{byte:02x} is {char!r} in Windows-1252, Latin-1's superset: {fix})"
 
 
 def read_text(path: str | Path) -> str:
@@ -369,6 +373,9 @@ class TokenData:
         need = seq_len + 1
         if len(train) < need:
             fits = min(len(train), len(val) if val_fraction > 0 else len(train)) - 1  # both
+            # a validation split of 0 or 1 token holds no window at any --seq-len: the text's
+            # whole length trains without one
+            alone = n - 1 if fits <= 0 and 0 < val_fraction and len(val) <= 1 else 0
             most = math.floor((n - need) / n * 1000) / 1000 if n >= need else 0.0
             raise DataError(
                 f"{source}: training split: expected at least {need} tokens (a window of "
@@ -377,7 +384,9 @@ class TokenData:
                     "a longer text",
                     0 < most < val_fraction and n - round(n * most) >= need
                     and f"--data.val-fraction {most:g} or less",
-                    fits > 0 and f"--seq-len {fits} or less"))
+                    fits > 0 and f"--seq-len {fits} or less",
+                    alone > 0 and f"--seq-len {alone} or less with --data.val-fraction 0 (no "
+                    "validation)"))
         if val_fraction > 0 and len(val) < need:
             # the least fraction whose split holds a window, where the rest still holds one
             least = math.ceil(need / n * 1000) / 1000
