@@ -901,14 +901,36 @@ def torch_device_hint(value: object) -> str:
             "CUDA elsewhere")
 
 
+def backend_variable_note(has_gpu: bool, env: Mapping[str, str] = os.environ) -> str | None:
+    """A line where TOYMLX_BACKEND, the MLX backend scripts/install.sh installs (no command reads
+    it), names another device than --device auto takes: cuda or cuda12 where this MLX has no
+    GPU, cpu where it has one. Taken for a device switch (PyTorch users set one), it let a run
+    compute on the other device without a word; None where it agrees or is not set."""
+    value = env.get("TOYMLX_BACKEND")
+    if value in ("cuda", "cuda12") and not has_gpu:
+        found, where = "no GPU", "CPU"
+        fix = "unset it, or for a GPU, source the installer with it where nvidia-smi lists one"
+    elif value == "cpu" and has_gpu:
+        found, where, fix = "a GPU", "GPU", "pass --device cpu for the CPU"
+    else:
+        return None
+    return (f"TOYMLX_BACKEND={value}: this MLX has {found}, so this computes on the {where}; the "
+            f"variable chooses the MLX backend scripts/install.sh installs, not where a command "
+            f"computes (--device): {fix}")
+
+
 def select_device(name: str = "auto"):
-    """Make `name` (auto|gpu|cpu) MLX's default device and return it."""
+    """Make `name` (auto|gpu|cpu) MLX's default device and return it; with auto, warn where
+    TOYMLX_BACKEND says otherwise (`backend_variable_note`)."""
     import mlx.core as mx  # here, not at the top: this module loads before mlx.core
 
     if name not in ("auto", "gpu", "cpu"):
         raise ValueError(f"--device: expected one of auto, gpu, cpu; found {name!r}"
                          f"{torch_device_hint(name)}")
     has_gpu = mx.is_available(mx.gpu)
+    note = backend_variable_note(has_gpu) if name == "auto" else None
+    if note is not None:
+        notice.warn(note, stacklevel=2)
     if name == "gpu" and not has_gpu:
         raise ValueError("--device gpu: MLX has no GPU backend on this machine; use --device cpu")
     dev = mx.gpu if (name == "gpu" or (name == "auto" and has_gpu)) else mx.cpu
