@@ -137,15 +137,24 @@ backend_extra() {
       die "TOYMLX_BACKEND=$TOYMLX_BACKEND: a Mac has one MLX backend, Metal, that comes with mlx; unset TOYMLX_BACKEND"
     return 0
   fi
-  if [ -n "${TOYMLX_BACKEND:-}" ]; then
-    case $TOYMLX_BACKEND in
-      cpu | cuda | cuda12) say "MLX backend: $TOYMLX_BACKEND (TOYMLX_BACKEND)"; echo "$TOYMLX_BACKEND" ;;
-      *) die "TOYMLX_BACKEND=$TOYMLX_BACKEND: expected cpu, cuda (CUDA 13) or cuda12" ;;
-    esac
-    return 0
-  fi
   local gpu driver
   gpu=$(nvidia-smi -L 2>/dev/null | grep -m1 '^GPU ' || true)
+  if [ -n "${TOYMLX_BACKEND:-}" ]; then
+    case $TOYMLX_BACKEND in
+      cpu) say "MLX backend: cpu (TOYMLX_BACKEND)" ;;
+      # a CUDA backend without a GPU here may be for a machine that has one (a cluster's login
+      # node), so it is installed, and said
+      cuda | cuda12)
+        if [ -n "$gpu" ]; then
+          say "MLX backend: $TOYMLX_BACKEND (TOYMLX_BACKEND)"
+        else
+          say "MLX backend: $TOYMLX_BACKEND (TOYMLX_BACKEND), though nvidia-smi lists no NVIDIA GPU on this machine: its commands will find no GPU here (TOYMLX_BACKEND=cpu, or unset, for the CPU)"
+        fi ;;
+      *) die "TOYMLX_BACKEND=$TOYMLX_BACKEND: expected cpu, cuda (CUDA 13) or cuda12" ;;
+    esac
+    echo "$TOYMLX_BACKEND"
+    return 0
+  fi
   if [ -z "$gpu" ]; then
     say "MLX backend: cpu (no NVIDIA GPU listed by nvidia-smi; TOYMLX_BACKEND=cuda to choose)"
     echo cpu

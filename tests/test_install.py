@@ -135,7 +135,12 @@ def _fake_nvidia_smi(folder: Path, gpus: str, driver: str) -> Path:
     ("Linux", "GPU 0: NVIDIA L4 (UUID: GPU-4)\n", "N/A\n", None, "cuda", "driver unknown"),
     ("Linux", "GPU 0: NVIDIA L4 (UUID: GPU-4)\n", "580.1\n", "cpu", "cpu",
      "MLX backend: cpu (TOYMLX_BACKEND)"),
-    ("Linux", "", "", "cuda12", "cuda12", "MLX backend: cuda12 (TOYMLX_BACKEND)"),
+    # chosen without a GPU listed: installed (a cluster's login node), and said
+    ("Linux", "", "", "cuda12", "cuda12", "MLX backend: cuda12 (TOYMLX_BACKEND), though "
+     "nvidia-smi lists no NVIDIA GPU on this machine: its commands will find no GPU here "
+     "(TOYMLX_BACKEND=cpu, or unset, for the CPU)\n"),
+    ("Linux", "GPU 0: NVIDIA L4 (UUID: GPU-4)\n", "580.1\n", "cuda12", "cuda12",
+     "toymlx: MLX backend: cuda12 (TOYMLX_BACKEND)\n"),
     ("Linux", "", "", "rocm", None,
      "toymlx: error: TOYMLX_BACKEND=rocm: expected cpu, cuda (CUDA 13) or cuda12"),
     ("Darwin", "", "", None, "", None),
