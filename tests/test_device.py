@@ -285,6 +285,43 @@ def test_select_device_auto_warns_where_toymlx_backend_says_otherwise(monkeypatc
         mx.set_default_device(old)
 
 
+@pytest.mark.parametrize("value, ok", [
+    ("off", True), ("", True), ("/var/cache/kernels", True), ("~/kernels", True),
+    ("OFF", False), ("0", False), ("false", False), ("kernels", False), ("./kernels", False),
+])
+def test_a_kernel_cache_that_is_not_off_or_absolute_is_refused(value, ok):
+    """TOYMLX_KERNEL_CACHE=OFF, =0 or =false (meant as off) was a folder of that name in the
+    folder the command started in: a cache of its own there, its kernels built from nothing."""
+    from toymlx.backend.device import check_kernel_cache
+
+    if ok:
+        check_kernel_cache({"TOYMLX_KERNEL_CACHE": value})
+        return
+    with pytest.raises(ValueError) as e:
+        check_kernel_cache({"TOYMLX_KERNEL_CACHE": value})
+    assert str(e.value) == (
+        f"TOYMLX_KERNEL_CACHE: expected off or an absolute folder path, found {value!r}, which "
+        "would be a folder of that name in each folder a command starts in; set "
+        "TOYMLX_KERNEL_CACHE=off, or an absolute path, or unset it")
+
+
+def test_a_relative_kernel_cache_is_one_line_from_a_command(stories_path, capsys, monkeypatch,
+                                                            tmp_path):
+    from cli_errors import error_line
+    from toymlx_cli.generate import main as generate_main
+
+    from toymlx.backend import device
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TOYMLX_KERNEL_CACHE", "OFF")
+    monkeypatch.setattr(device._PROCESS, "set_up", False)
+    assert generate_main(["--model", str(stories_path), "--prompt", "hi"]) == 2
+    assert error_line(capsys, "toymlx-generate").startswith(
+        "toymlx-generate: error: TOYMLX_KERNEL_CACHE: expected off or an absolute folder path, "
+        "found 'OFF'")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("module", ["train", "generate"])
 def test_a_junk_mlx_bfs_width_is_one_line_not_a_hang(module, tmp_path, stories_path):
     """MLX_BFS_MAX_WIDTH=junk (or 0): MLX reads it as a width of 0 and never finishes its first

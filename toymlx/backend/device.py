@@ -247,6 +247,19 @@ def check_switches(env: Mapping[str, str] = os.environ) -> None:
                              f"which toymlx reads as {unset}; set {name}={value} or unset it")
 
 
+def check_kernel_cache(env: Mapping[str, str] = os.environ) -> None:
+    """ValueError (one line) for a TOYMLX_KERNEL_CACHE that is neither off nor an absolute
+    folder (~ is the home folder; empty is unset): a relative one is a folder of that name in
+    whichever folder a command starts in, so TOYMLX_KERNEL_CACHE=OFF, =0 or =false made a kernel
+    cache there, built again from nothing, with no word."""
+    found = env.get("TOYMLX_KERNEL_CACHE")
+    if not found or found == "off" or os.path.isabs(os.path.expanduser(found)):
+        return
+    raise ValueError(f"TOYMLX_KERNEL_CACHE: expected off or an absolute folder path, found "
+                     f"{found!r}, which would be a folder of that name in each folder a command "
+                     f"starts in; set TOYMLX_KERNEL_CACHE=off, or an absolute path, or unset it")
+
+
 def setup_process(wide_evaluation: bool = True) -> None:
     """Tune this process for training: MLX's evaluation width (Linux) and glibc malloc.
 
@@ -261,6 +274,7 @@ def setup_process(wide_evaluation: bool = True) -> None:
         return
     check_bfs_width(os.environ.get("MLX_BFS_MAX_WIDTH"))
     check_switches()
+    check_kernel_cache()
     p.set_up = True
     if sys.platform.startswith("linux") and wide_evaluation:
         os.environ.setdefault("MLX_BFS_MAX_WIDTH", BFS_MAX_WIDTH)
@@ -352,7 +366,7 @@ def _kernel_cache_root() -> Path:
     `$XDG_CACHE_HOME/toymlx/mlx-kernels` (default `~/.cache/...`)."""
     chosen = os.environ.get("TOYMLX_KERNEL_CACHE")
     if chosen and chosen != "off":
-        return Path(chosen)
+        return Path(chosen).expanduser()
     return _default_kernel_cache_root()
 
 
