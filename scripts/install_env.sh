@@ -252,6 +252,25 @@ for name in sys.argv[1:]:
   fi
 }
 
+# TOYMLX_EXTRAS against pyproject.toml's extras, before anything is installed: pip installs
+# the rest and warns of an extra it lacks in one line among hundreds (TOYMLX_EXTRAS=benchmark:
+# no PyTorch, found at the benchmark's first import), and a backend there is a second one.
+check_extras() {
+  local known extra
+  known=$(sed -n '/^\[project.optional-dependencies\]/,/^\[/s/^\([a-z0-9_-]*\) *=.*/\1/p' \
+          "$ROOT/pyproject.toml" | grep -vxE 'cpu|cuda|cuda12' | tr '\n' ' ')
+  for extra in $(echo "${TOYMLX_EXTRAS:-}" | tr ',' ' '); do
+    case " $known" in
+      *" $extra "*) ;;
+      *) case $extra in
+           cpu | cuda | cuda12) die "TOYMLX_EXTRAS=$TOYMLX_EXTRAS: $extra is MLX's backend, one only: choose it with TOYMLX_BACKEND=$extra" ;;
+           # shellcheck disable=SC2086  # $known split into its words, one space apart
+           *) die "TOYMLX_EXTRAS=$TOYMLX_EXTRAS: expected toymlx's extras, comma-separated: some of $(echo $known | sed 's/ /, /g'); found '$extra'" ;;
+         esac ;;
+    esac
+  done
+}
+
 # pip install -e the checkout, unless the last install into $ENV was of this same state.
 install_toymlx() {
   local spec=".[${BACKEND:+$BACKEND,}${BLAS:+$BLAS,}test${TOYMLX_EXTRAS:+,$TOYMLX_EXTRAS}]"
@@ -320,6 +339,7 @@ ARCH=$(uname -m)
 CPUINFO=/proc/cpuinfo
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 check_platform
+check_extras
 choose_env
 BACKEND=$(backend_extra)
 BLAS=$(blas_extra)
