@@ -137,15 +137,24 @@ backend_extra() {
       die "TOYMLX_BACKEND=$TOYMLX_BACKEND: a Mac has one MLX backend, Metal, that comes with mlx; unset TOYMLX_BACKEND"
     return 0
   fi
-  if [ -n "${TOYMLX_BACKEND:-}" ]; then
-    case $TOYMLX_BACKEND in
-      cpu | cuda | cuda12) say "MLX backend: $TOYMLX_BACKEND (TOYMLX_BACKEND)"; echo "$TOYMLX_BACKEND" ;;
-      *) die "TOYMLX_BACKEND=$TOYMLX_BACKEND: expected cpu, cuda (CUDA 13) or cuda12" ;;
-    esac
-    return 0
-  fi
   local gpu driver
   gpu=$(nvidia-smi -L 2>/dev/null | grep -m1 '^GPU ' || true)
+  if [ -n "${TOYMLX_BACKEND:-}" ]; then
+    case $TOYMLX_BACKEND in
+      cpu) say "MLX backend: cpu (TOYMLX_BACKEND)" ;;
+      # a CUDA backend without a GPU here may be for a machine that has one (a cluster's login
+      # node), so it is installed, and said
+      cuda | cuda12)
+        if [ -n "$gpu" ]; then
+          say "MLX backend: $TOYMLX_BACKEND (TOYMLX_BACKEND)"
+        else
+          say "MLX backend: $TOYMLX_BACKEND (TOYMLX_BACKEND), though nvidia-smi lists no NVIDIA GPU on this machine: its commands will find no GPU here (TOYMLX_BACKEND=cpu, or unset, for the CPU)"
+        fi ;;
+      *) die "TOYMLX_BACKEND=$TOYMLX_BACKEND: expected cpu, cuda (CUDA 13) or cuda12" ;;
+    esac
+    echo "$TOYMLX_BACKEND"
+    return 0
+  fi
   if [ -z "$gpu" ]; then
     say "MLX backend: cpu (no NVIDIA GPU listed by nvidia-smi; TOYMLX_BACKEND=cuda to choose)"
     echo cpu
@@ -243,6 +252,25 @@ for name in sys.argv[1:]:
   fi
 }
 
+# TOYMLX_EXTRAS against pyproject.toml's extras, before anything is installed: pip installs
+# the rest and warns of an extra it lacks in one line among hundreds (TOYMLX_EXTRAS=benchmark:
+# no PyTorch, found at the benchmark's first import), and a backend there is a second one.
+check_extras() {
+  local known extra
+  known=$(sed -n '/^\[project.optional-dependencies\]/,/^\[/s/^\([a-z0-9_-]*\) *=.*/\1/p' \
+          "$ROOT/pyproject.toml" | grep -vxE 'cpu|cuda|cuda12' | tr '\n' ' ')
+  for extra in $(echo "${TOYMLX_EXTRAS:-}" | tr ',' ' '); do
+    case " $known" in
+      *" $extra "*) ;;
+      *) case $extra in
+           cpu | cuda | cuda12) die "TOYMLX_EXTRAS=$TOYMLX_EXTRAS: $extra is MLX's backend, one only: choose it with TOYMLX_BACKEND=$extra" ;;
+           # shellcheck disable=SC2086  # $known split into its words, one space apart
+           *) die "TOYMLX_EXTRAS=$TOYMLX_EXTRAS: expected toymlx's extras, comma-separated: some of $(echo $known | sed 's/ /, /g'); found '$extra'" ;;
+         esac ;;
+    esac
+  done
+}
+
 # pip install -e the checkout, unless the last install into $ENV was of this same state.
 install_toymlx() {
   local spec=".[${BACKEND:+$BACKEND,}${BLAS:+$BLAS,}test${TOYMLX_EXTRAS:+,$TOYMLX_EXTRAS}]"
@@ -311,6 +339,7 @@ ARCH=$(uname -m)
 CPUINFO=/proc/cpuinfo
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 check_platform
+check_extras
 choose_env
 BACKEND=$(backend_extra)
 BLAS=$(blas_extra)

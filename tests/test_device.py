@@ -237,6 +237,91 @@ def test_a_switch_set_wrong_is_one_line_from_a_command(stories_path, capsys, mon
         "'0', which toymlx reads as on; set TOYMLX_GEMV_FORWARD=off or unset it")
 
 
+@pytest.mark.parametrize("value, has_gpu, want", [
+    ("cuda", False, ("TOYMLX_BACKEND=cuda: this MLX has no GPU, so this computes on the CPU; the "
+                     "variable chooses the MLX backend scripts/install.sh installs, not where a "
+                     "command computes (--device): unset it, or for a GPU, source the installer "
+                     "with it where nvidia-smi lists one")),
+    ("cuda12", False, "TOYMLX_BACKEND=cuda12: this MLX has no GPU, so this computes on the CPU;"),
+    ("cpu", True, ("TOYMLX_BACKEND=cpu: this MLX has a GPU, so this computes on the GPU; the "
+                   "variable chooses the MLX backend scripts/install.sh installs, not where a "
+                   "command computes (--device): pass --device cpu for the CPU")),
+    ("cpu", False, None), ("cuda", True, None), ("", False, None), (None, True, None),
+])
+def test_a_toymlx_backend_that_names_another_device_is_one_line(value, has_gpu, want):
+    """TOYMLX_BACKEND chooses what scripts/install.sh installs; no command reads it, so a
+    TOYMLX_BACKEND=cuda taken for PyTorch's device switch ran on the CPU without a word."""
+    from toymlx.backend.device import backend_variable_note
+
+    note = backend_variable_note(has_gpu, {} if value is None else {"TOYMLX_BACKEND": value})
+    assert (note is None) == (want is None)
+    if want is not None:
+        assert note.startswith(want) and "\n" not in note
+
+
+def test_select_device_auto_warns_where_toymlx_backend_says_otherwise(monkeypatch):
+    import warnings
+
+    import mlx.core as mx
+
+    from toymlx.backend.device import select_device
+    from toymlx.backend.notice import ToymlxWarning
+
+    gpu = mx.is_available(mx.gpu)
+    monkeypatch.setenv("TOYMLX_BACKEND", "cpu" if gpu else "cuda")
+    old = mx.default_device()
+    try:
+        with pytest.warns(ToymlxWarning) as caught:
+            dev = select_device("auto")
+        assert dev == (mx.gpu if gpu else mx.cpu)
+        [w] = caught
+        assert str(w.message).startswith(
+            f"TOYMLX_BACKEND={'cpu' if gpu else 'cuda'}: this MLX has {'a' if gpu else 'no'} GPU")
+        with warnings.catch_warnings(record=True) as given:
+            warnings.simplefilter("always")
+            select_device("cpu")  # a device given: the variable does not choose it
+        assert given == []
+    finally:
+        mx.set_default_device(old)
+
+
+@pytest.mark.parametrize("value, ok", [
+    ("off", True), ("", True), ("/var/cache/kernels", True), ("~/kernels", True),
+    ("OFF", False), ("0", False), ("false", False), ("kernels", False), ("./kernels", False),
+])
+def test_a_kernel_cache_that_is_not_off_or_absolute_is_refused(value, ok):
+    """TOYMLX_KERNEL_CACHE=OFF, =0 or =false (meant as off) was a folder of that name in the
+    folder the command started in: a cache of its own there, its kernels built from nothing."""
+    from toymlx.backend.device import check_kernel_cache
+
+    if ok:
+        check_kernel_cache({"TOYMLX_KERNEL_CACHE": value})
+        return
+    with pytest.raises(ValueError) as e:
+        check_kernel_cache({"TOYMLX_KERNEL_CACHE": value})
+    assert str(e.value) == (
+        f"TOYMLX_KERNEL_CACHE: expected off or an absolute folder path, found {value!r}, which "
+        "would be a folder of that name in each folder a command starts in; set "
+        "TOYMLX_KERNEL_CACHE=off, or an absolute path, or unset it")
+
+
+def test_a_relative_kernel_cache_is_one_line_from_a_command(stories_path, capsys, monkeypatch,
+                                                            tmp_path):
+    from cli_errors import error_line
+    from toymlx_cli.generate import main as generate_main
+
+    from toymlx.backend import device
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TOYMLX_KERNEL_CACHE", "OFF")
+    monkeypatch.setattr(device._PROCESS, "set_up", False)
+    assert generate_main(["--model", str(stories_path), "--prompt", "hi"]) == 2
+    assert error_line(capsys, "toymlx-generate").startswith(
+        "toymlx-generate: error: TOYMLX_KERNEL_CACHE: expected off or an absolute folder path, "
+        "found 'OFF'")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("module", ["train", "generate"])
 def test_a_junk_mlx_bfs_width_is_one_line_not_a_hang(module, tmp_path, stories_path):
     """MLX_BFS_MAX_WIDTH=junk (or 0): MLX reads it as a width of 0 and never finishes its first

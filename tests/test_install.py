@@ -135,7 +135,12 @@ def _fake_nvidia_smi(folder: Path, gpus: str, driver: str) -> Path:
     ("Linux", "GPU 0: NVIDIA L4 (UUID: GPU-4)\n", "N/A\n", None, "cuda", "driver unknown"),
     ("Linux", "GPU 0: NVIDIA L4 (UUID: GPU-4)\n", "580.1\n", "cpu", "cpu",
      "MLX backend: cpu (TOYMLX_BACKEND)"),
-    ("Linux", "", "", "cuda12", "cuda12", "MLX backend: cuda12 (TOYMLX_BACKEND)"),
+    # chosen without a GPU listed: installed (a cluster's login node), and said
+    ("Linux", "", "", "cuda12", "cuda12", ("MLX backend: cuda12 (TOYMLX_BACKEND), though "
+     "nvidia-smi lists no NVIDIA GPU on this machine: its commands will find no GPU here "
+     "(TOYMLX_BACKEND=cpu, or unset, for the CPU)\n")),
+    ("Linux", "GPU 0: NVIDIA L4 (UUID: GPU-4)\n", "580.1\n", "cuda12", "cuda12",
+     "toymlx: MLX backend: cuda12 (TOYMLX_BACKEND)\n"),
     ("Linux", "", "", "rocm", None,
      "toymlx: error: TOYMLX_BACKEND=rocm: expected cpu, cuda (CUDA 13) or cuda12"),
     ("Darwin", "", "", None, "", None),
@@ -153,6 +158,27 @@ def test_backend_follows_the_gpu_and_its_driver(tmp_path, os_name, gpus, driver,
     else:
         assert r.returncode == 0 and r.stdout == (want + "\n" if want else ""), r.stdout + r.stderr
     assert (message or "") in r.stderr and (message is not None or r.stderr == ""), r.stderr
+
+
+@pytest.mark.parametrize("extras, message", [
+    (None, None), ("interop,bench", None), ("report", None),
+    ("benchmark", ("toymlx: error: TOYMLX_EXTRAS=benchmark: expected toymlx's extras, "
+     "comma-separated: some of mkl, test, interop, report, tensorboard, wandb, bench; found "
+     "'benchmark'\n")),
+    ("bench,cuda", ("toymlx: error: TOYMLX_EXTRAS=bench,cuda: cuda is MLX's backend, one only: "
+     "choose it with TOYMLX_BACKEND=cuda\n")),
+])
+def test_an_extra_toymlx_lacks_is_refused_before_anything_is_installed(extras, message):
+    """TOYMLX_EXTRAS=benchmark went to pip, which installed the rest and warned of the extra in
+    one line among its hundreds: no PyTorch, found at the benchmark's import; a backend there
+    (cuda) was a second backend beside the one chosen, which share a library file."""
+    env = {k: v for k, v in _env().items() if k != "TOYMLX_EXTRAS"}
+    if extras is not None:
+        env["TOYMLX_EXTRAS"] = extras
+    r = _shell("bash", f"source scripts/install_env.sh; ROOT={shlex.quote(str(REPO))}; "
+               "check_extras", REPO, env)
+    assert (r.returncode, r.stdout, r.stderr) == ((0, "", "") if message is None
+                                                   else (1, "", message))
 
 
 @pytest.mark.parametrize("arch, vendor, backend, blas, want, message", [

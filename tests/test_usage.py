@@ -1019,6 +1019,32 @@ def test_a_train_refusal_names_an_underscored_flag_as_typed(args, want, capsys, 
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("args, want", [
+    (["--recipe", "from-scratch", "--seq_len", "0"], "--seq_len: expected >= 1, found 0"),
+    (["--recipe", "from-scratch", "--seq-len", "-3"], "--seq-len: expected >= 1, found -3"),
+    (["--recipe", "warm-start", "--seq_len", "0"], "--seq_len: expected >= 1, found 0"),
+    (["--recipe", "from-scratch", "--model.context", "0"],
+     "--model.context: expected > 0, found 0"),
+    (["--recipe", "from-scratch", "--model.context", "64", "--seq-len", "128"],
+     "--seq-len: expected 1..64 (--model.context), found 128"),
+    (["--recipe", "lora", "--base", "BASE", "--seq_len", "0"],
+     "--seq_len: expected >= 1, found 0"),
+    (["--recipe", "lora", "--base", "BASE", "--seq-len", "4096"],
+     "--seq-len: expected 1..2048 (the context of --base BASE), found 4096"),
+])
+def test_a_seq_len_refusal_states_the_range_it_takes(args, want, capsys, tmp_path, monkeypatch,
+                                                      stories_path):
+    """A text run's context, where --model.context is not given, is --seq-len's own
+    (`settle_context`): --seq-len 0 was told "expected 1..0 (the model context)", -3 "1..-3",
+    and --model.context 0 blamed --seq-len 256 with "1..0". Each now states the range it takes
+    and where its top comes from (--model.context, or lora's --base); nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    args = [str(stories_path) if a == "BASE" else a for a in args]
+    assert main(args) == 2
+    assert only_line(capsys) == f"toymlx-train: error: {want.replace('BASE', str(stories_path))}"
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("line, argv, want", [
     ("--max-tokens: expected a count >= 0, found -1", ["-n", "5", "--max-tokens", "-1"],
      "--max-tokens: expected a count >= 0, found -1"),

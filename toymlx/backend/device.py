@@ -71,6 +71,9 @@ _ANOTHER_BUILD_IN_USE = ("MLX builds its CPU kernels in {mlx_dir}, a link to {fo
                          "it a TMPDIR of its own to use its kernel folder, {kept}")
 _GENERIC = ("{why}: MLX's float32 matmuls run at {gflops:.0f} GFLOPS here. Fix: "
             "set OPENBLAS_CORETYPE={best} before starting, or " + blas.FIX)
+_UNKNOWN_CORE = ("OPENBLAS_CORETYPE: expected the name of one of OpenBLAS's kernel sets{best}, "
+                 "found {core!r}, which it does not know, so it runs its {used} kernels, chosen "
+                 "from this CPU; correct the name or unset it")
 # the user's OPENBLAS_CORETYPE chose the kernels: another library would obey it too
 _USERS_CORE = ("{why}: MLX's float32 matmuls run at {gflops:.0f} GFLOPS here. Fix: the "
                "environment sets {core_from}, which OpenBLAS obeys: unset it (toymlx then "
@@ -189,6 +192,11 @@ def _bind_openblas(p: _ProcessState) -> None:
         p.blas, p.library = "mkl" if lib.kind == "mkl" else "openblas", lib
         p.blas_bound = f"{len(names)} BLAS/LAPACK functions of libmlx.so"
         os.register_at_fork(after_in_parent=_restart_blas_workers)
+        if lib.unknown_core is not None:
+            best = blas.core_for_cpu(*blas.cpu_flags())
+            _warn_blas(p, _UNKNOWN_CORE.format(
+                core=lib.unknown_core, used=lib.core,
+                best="" if best is None else f" (this CPU's best: {best[0]})"))
         why = blas.generic_core(lib)
         if why is not None:
             users = (lib.core_from or "").startswith("OPENBLAS_CORETYPE=")
@@ -239,6 +247,19 @@ def check_switches(env: Mapping[str, str] = os.environ) -> None:
                              f"which toymlx reads as {unset}; set {name}={value} or unset it")
 
 
+def check_kernel_cache(env: Mapping[str, str] = os.environ) -> None:
+    """ValueError (one line) for a TOYMLX_KERNEL_CACHE that is neither off nor an absolute
+    folder (~ is the home folder; empty is unset): a relative one is a folder of that name in
+    whichever folder a command starts in, so TOYMLX_KERNEL_CACHE=OFF, =0 or =false made a kernel
+    cache there, built again from nothing, with no word."""
+    found = env.get("TOYMLX_KERNEL_CACHE")
+    if not found or found == "off" or os.path.isabs(os.path.expanduser(found)):
+        return
+    raise ValueError(f"TOYMLX_KERNEL_CACHE: expected off or an absolute folder path, found "
+                     f"{found!r}, which would be a folder of that name in each folder a command "
+                     f"starts in; set TOYMLX_KERNEL_CACHE=off, or an absolute path, or unset it")
+
+
 def setup_process(wide_evaluation: bool = True) -> None:
     """Tune this process for training: MLX's evaluation width (Linux) and glibc malloc.
 
@@ -253,6 +274,7 @@ def setup_process(wide_evaluation: bool = True) -> None:
         return
     check_bfs_width(os.environ.get("MLX_BFS_MAX_WIDTH"))
     check_switches()
+    check_kernel_cache()
     p.set_up = True
     if sys.platform.startswith("linux") and wide_evaluation:
         os.environ.setdefault("MLX_BFS_MAX_WIDTH", BFS_MAX_WIDTH)
@@ -344,7 +366,7 @@ def _kernel_cache_root() -> Path:
     `$XDG_CACHE_HOME/toymlx/mlx-kernels` (default `~/.cache/...`)."""
     chosen = os.environ.get("TOYMLX_KERNEL_CACHE")
     if chosen and chosen != "off":
-        return Path(chosen)
+        return Path(chosen).expanduser()
     return _default_kernel_cache_root()
 
 
@@ -893,14 +915,36 @@ def torch_device_hint(value: object) -> str:
             "CUDA elsewhere")
 
 
+def backend_variable_note(has_gpu: bool, env: Mapping[str, str] = os.environ) -> str | None:
+    """A line where TOYMLX_BACKEND, the MLX backend scripts/install.sh installs (no command reads
+    it), names another device than --device auto takes: cuda or cuda12 where this MLX has no
+    GPU, cpu where it has one. Taken for a device switch (PyTorch users set one), it let a run
+    compute on the other device without a word; None where it agrees or is not set."""
+    value = env.get("TOYMLX_BACKEND")
+    if value in ("cuda", "cuda12") and not has_gpu:
+        found, where = "no GPU", "CPU"
+        fix = "unset it, or for a GPU, source the installer with it where nvidia-smi lists one"
+    elif value == "cpu" and has_gpu:
+        found, where, fix = "a GPU", "GPU", "pass --device cpu for the CPU"
+    else:
+        return None
+    return (f"TOYMLX_BACKEND={value}: this MLX has {found}, so this computes on the {where}; the "
+            f"variable chooses the MLX backend scripts/install.sh installs, not where a command "
+            f"computes (--device): {fix}")
+
+
 def select_device(name: str = "auto"):
-    """Make `name` (auto|gpu|cpu) MLX's default device and return it."""
+    """Make `name` (auto|gpu|cpu) MLX's default device and return it; with auto, warn where
+    TOYMLX_BACKEND says otherwise (`backend_variable_note`)."""
     import mlx.core as mx  # here, not at the top: this module loads before mlx.core
 
     if name not in ("auto", "gpu", "cpu"):
         raise ValueError(f"--device: expected one of auto, gpu, cpu; found {name!r}"
                          f"{torch_device_hint(name)}")
     has_gpu = mx.is_available(mx.gpu)
+    note = backend_variable_note(has_gpu) if name == "auto" else None
+    if note is not None:
+        notice.warn(note, stacklevel=2)
     if name == "gpu" and not has_gpu:
         raise ValueError("--device gpu: MLX has no GPU backend on this machine; use --device cpu")
     dev = mx.gpu if (name == "gpu" or (name == "auto" and has_gpu)) else mx.cpu

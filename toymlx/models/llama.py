@@ -259,7 +259,8 @@ class LlamaArgs:
 
     def validate(self) -> None:
         """Raise ArgsError (a ValueError) naming the field when the shape is inconsistent."""
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                     "context"):
             if getattr(self, name) <= 0:
                 raise ArgsError(self, name, "> 0")
         if self.key_length is None and self.d_model % self.n_heads:

@@ -257,10 +257,23 @@ def llama_model_info(args: LlamaArgs) -> dict[str, Any]:
     return info
 
 
-def check_seq_len(seq_len: int, args: LlamaArgs) -> None:
-    if seq_len < 1 or seq_len > args.context:
-        raise ValueError(f"--seq-len: expected 1..{args.context} (the model context), "
-                         f"found {seq_len}")
+def check_seq_len(seq_len: int, context: int | None, whose: str = "") -> None:
+    """--seq-len within 1..`context` tokens, the context named by `whose` (" (--model.context)");
+    None: no bound above."""
+    if seq_len < 1 or (context is not None and seq_len > context):
+        want = ">= 1" if context is None else f"1..{context}"
+        raise ValueError(f"--seq-len: expected {want}{whose}, found {seq_len}")
+
+
+def check_text_seq_len(cfg: Any) -> None:
+    """A text recipe's (from-scratch, warm-start) --seq-len, before `settle_context` makes it the
+    context where --model.context is not given: then only >= 1 (checked after, the context was
+    --seq-len's own value, and a --seq-len 0 was told "expected 1..0"). A resume's is its run's,
+    checked as it started: another is refused as a change to the run (`Bundle.resume_run`)."""
+    if cfg.resume:
+        return
+    context = cfg.model.context
+    check_seq_len(cfg.seq_len, context, "" if context is None else " (--model.context)")
 
 
 def lm_task(recipe: str, cfg: TrainConfig, seq_len: int, model: Llama, data: TokenData,

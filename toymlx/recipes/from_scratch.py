@@ -26,8 +26,8 @@ from toymlx.recipes.common import (
     LlamaOptions,
     TextData,
     check_reading,
-    check_seq_len,
     check_test_folder,
+    check_text_seq_len,
     llama_model_info,
     lm_task,
     load_token_data,
@@ -64,6 +64,7 @@ def validate(cfg: Config) -> None:
     its runs start), --test's data folder with test.jsonl; the data itself is checked as it is
     read."""
     cfg.model.build_args(vocab_size=1)  # the vocabulary is the tokenizer's, not yet read
+    check_text_seq_len(cfg)
     check_reading(cfg.data)
     if cfg.tokenizer is not None:
         check_model_file(cfg.tokenizer, "--tokenizer")
@@ -84,7 +85,6 @@ def tokenizer(cfg: Config) -> Tokenizer:
 def build(cfg: Config, ops: Ops) -> Task:
     tok = tokenizer(cfg)
     args = cfg.model.build_args(tok.vocab_size)
-    check_seq_len(cfg.seq_len, args)
     data = load_token_data(cfg.data, tok, cfg.seq_len, cfg.test, progress=cfg.progress)
     mx.random.seed(cfg.seed)
     model = Llama(args, ops)

@@ -325,6 +325,7 @@ def validate(cfg: Config) -> None:
                          "found full (fuse the adapter into the base with toymlx-export --fuse, "
                          "and fine-tune that)")
     schedule(cfg)  # its arguments checked now, not at the first step
+    check_seq_len(cfg.seq_len, None)  # its bound above, the base's context, once that is read
     if cfg.test:
         check_test_folder(cfg.data.path)
     if not 0.0 <= cfg.data.val_fraction < 1.0:
@@ -501,6 +502,9 @@ def build(cfg: Config, ops: Ops) -> Task:
     with GGUFFile(src.path) as g:
         types = "/".join(sorted(set(projection_types(g).values())))
         a = args_from_gguf(g)
+        # before the memory estimate, whose advice for a window past the context is "try a
+        # smaller --seq-len" among others
+        check_seq_len(cfg.seq_len, a.context, f" (the context of --base {cfg.base})")
         targets: tuple[str, ...] = ()
         if not full:  # before the memory estimate, which sizes each target's projection
             targets = resolve_targets(cfg.lora.targets, a)  # all-linear as this base's, ...
@@ -529,7 +533,6 @@ def build(cfg: Config, ops: Ops) -> Task:
     model_store.check_digests(src, "--base")  # a store's blob is its name's before it is read
     with GGUFFile(src.path) as g:
         tok = Tokenizer.from_metadata(dict(g.metadata), source=src.path)  # errors name the GGUF
-    check_seq_len(cfg.seq_len, a)
     # the data read and tokenized before the weights load: a record it refuses (a typo in the
     # file) is said at once, not after minutes of loading a large base
     with keys_hint(cfg.data.keys):

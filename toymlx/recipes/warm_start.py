@@ -37,8 +37,8 @@ from toymlx.recipes.common import (
     LlamaOptions,
     TextData,
     check_reading,
-    check_seq_len,
     check_test_folder,
+    check_text_seq_len,
     llama_model_info,
     lm_task,
     load_token_data,
@@ -91,6 +91,7 @@ def validate(cfg: Config) -> None:
     """Checks that need no file (the student's shape among them); the donor itself is checked
     when it is read."""
     cfg.model.build_args(vocab_size=1)  # the vocabulary is the donor's, not yet read
+    check_text_seq_len(cfg)
     check_reading(cfg.data)
     if not cfg.donor:
         raise ValueError("--donor: expected a llama GGUF to take the token table from, "
@@ -192,7 +193,6 @@ def build(cfg: Config, ops: Ops) -> Task:
     vocab = tok.vocab_size
     table = donor.table[:vocab]
     args = cfg.model.build_args(vocab)
-    check_seq_len(cfg.seq_len, args)
     # the data before the lens: a bad --data.path is refused without waiting for the SVD
     data = load_token_data(cfg.data, tok, cfg.seq_len, cfg.test, progress=cfg.progress)
     top = max(int(ids.max(initial=0)) for ids in (data.train, data.val, data.test)
