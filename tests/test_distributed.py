@@ -1289,6 +1289,44 @@ def test_a_refusal_every_rank_meets_is_said_by_rank_0_alone(tmp_path, capsys, mo
     assert capsys.readouterr().err == "toymlx-train: error: x\n" and len(waited) == 3
 
 
+STPES = ("toymlx-train: error: --stpes: expected an option of toymlx-train --recipe "
+         "from-scratch, got an unknown one; did you mean --steps?\n")
+
+
+def test_a_command_line_every_rank_refuses_is_said_by_rank_0_alone(tmp_path, capsys,
+                                                                    monkeypatch):
+    """`toymlx-launch -n 2 -- toymlx-train --stpes 3`: tyro's refusal, met by every rank before
+    the ranks can meet, was printed by each. Rank 0 says it; another rank says it has refused
+    and waits for rank 0's exit report (its own exit would have mlx.launch stop rank 0 before
+    its line) and exits 2 without a word, or says it itself where rank 0 ended without one."""
+    status = tmp_path / "status"
+    status.mkdir()
+    monkeypatch.setenv("TOYMLX_RANK_STATUS", str(status))
+    argv = ["--recipe", "from-scratch", "--stpes", "3", "--runs-root", str(tmp_path / "runs")]
+    (status / "rank0.exit").write_text('{"code": 2, "error": null}')
+    monkeypatch.setenv("MLX_RANK", "1")
+    assert train_main(argv) == 2
+    assert capsys.readouterr().err == ""
+    assert (status / "rank1.refused").exists()  # what rank 0 waits for before it exits
+    (status / "rank0.exit").unlink()  # rank 0 gone without its report: rank 1 says it
+    (status / "rank0.start").write_text(json.dumps({"pid": 2 ** 22 + 1,
+                                                    "host": socket.gethostname()}))
+    assert train_main(argv) == 2
+    assert capsys.readouterr().err == STPES
+    monkeypatch.setenv("MLX_RANK", "0")
+    monkeypatch.setenv("TOYMLX_LAUNCH_RANKS", "2")
+    assert train_main(argv) == 2
+    assert capsys.readouterr().err == STPES
+
+
+def test_a_launch_of_a_command_line_every_rank_refuses_says_it_once(tmp_path):
+    """... as a real 3-rank launch: the line once, exit status 2. It was 3 lines, or, where
+    one rank refused first, rank 0's line, "toymlx-train: stopped by SIGTERM" from the ranks
+    mlx.launch then stopped, and three lines of the launch's."""
+    p = _launch(tmp_path, [*LAUNCH[:-2], "3", "--", *TRAIN, "--recipe", "from-scratch",
+                           "--stpes", "3"], timeout=120)
+    assert (p.returncode, p.stderr) == (2, STPES)
+
 @pytest.mark.interop  # the resume writes the file with llama.cpp's own quantizer
 def test_a_stop_during_rank_0_s_export_ends_every_rank_alike(tmp_path, stories_path):
     """A 2-rank lora run with --fuse-at-end q4_k_m, SIGTERM to toymlx-launch while rank 0's

@@ -58,11 +58,14 @@ from toymlx.backend.stop import (
     SOLO_SIGNALS,
     STOP_CODES,
     StopSignals,
+    ignore_stop_signals,
     relayed,
     stop_outcome,
 )
 
 STATUS_ENV = "TOYMLX_RANK_STATUS"
+RANKS_ENV = "TOYMLX_LAUNCH_RANKS"
+"""The number of ranks of the launch, for each rank (`refused_alike`)."""
 SESSION_GRACE = 60.0
 """Seconds mlx.launch's session gets to stop by itself (each rank: its step, then a final
 checkpoint) once the toymlx-launch that started it died, before it is killed."""
@@ -73,7 +76,7 @@ BACKENDS = ("ring", "mpi", "nccl", "jaccl", "jaccl-ring")
 _PORTS = (20000, 60000)
 """The ports `_free_port_base` chooses a ring's first port among."""
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_REPORT_NAME = re.compile(r"rank[0-9]+\.(start|exit)")
+_REPORT_NAME = re.compile(r"rank[0-9]+\.(start|exit|refused)")
 """The name of a rank's report in the status folder (`rank_status`)."""
 _SILENT = ("ended without reporting: killed, crashed, or stopped by mlx.launch after another "
            "rank failed")
@@ -127,6 +130,42 @@ def rank_status() -> Iterator[RankStatus]:
     finally:
         _remove_temp_files(start)
         _write(base.with_suffix(".exit"), {"code": status.code, "error": error})
+
+
+def refused_alike(line: str, wait: float = 30.0) -> int:
+    """Exit status 2 after `line`, a refusal of the command line that every rank meets alike
+    before the ranks can meet (each parses the same one: `toymlx-train --stpes 3`): under
+    `launch`, said by rank 0 alone, as `run._refused` says a refusal after they met. Each rank
+    printed it: N identical lines under `toymlx-launch -n N`. mlx.launch stops the other ranks
+    (SIGTERM) once one has exited non-zero, so no rank exits before all have refused: another
+    rank ignores stop signals, says so (`rank<r>.refused`) and waits for rank 0's exit report;
+    rank 0 says the line and waits for every rank's `.refused` (a rank still starting was
+    stopped, "toymlx-train: stopped by SIGTERM"). After `wait` seconds (a rank did not refuse
+    alike) a rank goes on alone, rank 1 and up saying the line themselves."""
+    folder, rank = os.environ.get(STATUS_ENV), _rank()
+    if not folder or rank is None:
+        print(line, file=sys.stderr, flush=True)
+        return REFUSED
+    status, end = Path(folder), time.time() + wait
+    if rank == 0:
+        print(line, file=sys.stderr, flush=True)
+        others = range(1, int(os.environ.get(RANKS_ENV, "1")))
+        while time.time() < end and not all(
+                any((status / f"rank{r}.{s}").exists() for s in ("refused", "exit"))
+                for r in others):
+            time.sleep(0.05)
+        return REFUSED
+    ignore_stop_signals()
+    atomic.write_text(status / f"rank{rank}.refused", "")
+    zero = status / "rank0"
+    while not zero.with_suffix(".exit").exists():
+        start = _read(zero.with_suffix(".start"))
+        if (time.time() > end or start is not None and start.get("host") == socket.gethostname()
+                and not alive(int(start.get("pid", 0)))):
+            print(line, file=sys.stderr, flush=True)
+            break
+        time.sleep(0.05)
+    return REFUSED
 
 
 def _mktemp_file(entry: os.DirEntry | Path) -> bool:
@@ -520,7 +559,7 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
     ranks = n * len(machines) if machines else n
     cmd = [*module_command("toymlx.runner.launch"), "--backend", backend, "-n", str(n),
            *(["--hosts", hosts] if hosts else []), *(["-p", str(port)] if port else []),
-           "--env", f"{STATUS_ENV}={folder}",
+           "--env", f"{STATUS_ENV}={folder}", "--env", f"{RANKS_ENV}={ranks}",
            *[a for e in env for a in ("--env", e)], "--", *command]
     proc = subprocess.Popen(cmd, start_new_session=True, env=child_env())
     failed_at, passed, killed = None, 0, False
