@@ -533,6 +533,42 @@ def test_mlx_launch_s_warnings_keep_their_colour_on_a_terminal(tmp_path):
     assert err.splitlines()[0] == f"\033[33m{WARN_3} \033[0m", err
 
 
+
+def test_a_command_that_is_not_toymlx_s_passes_on_its_exit_code_and_leaves_no_files(tmp_path):
+    """`toymlx-launch -n 2 -- python -c "...sys.exit(3)"` said "ranks 0-1: never reported
+    starting" and exited 1, not 3 (only toymlx-train reports how it ended), and left each rank's
+    mlx.launch pidfile and hostfile (`mktemp`'s tmp.*) in TMPDIR: as torchrun does, the exit code
+    passed on, the rank named with it, and nothing left behind."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    p = _launch(tmp_path, [*LAUNCH, *EXIT_3], timeout=60, env={"TMPDIR": str(tmp)})
+    assert p.returncode == 3, p.stderr
+    assert re.search(r"^toymlx-launch: ranks? 0(-1)?: exit code 3$", p.stderr,
+                     re.MULTILINE), p.stderr
+    assert "never reported" not in p.stderr
+    assert sorted(f.name for f in tmp.iterdir()) == []
+
+
+def test_ctrl_c_on_a_command_that_is_not_toymlx_s_is_its_ctrl_c_and_leaves_no_files(tmp_path):
+    """... and Ctrl-C: the ranks got toymlx-train's relay of it (SIGUSR2), which killed them
+    ("ended by SIGUSR2", exit status 140); now the signal itself (a Python rank's
+    KeyboardInterrupt, 130), and no files left in TMPDIR."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    rank = ("import os, sys, time; open(os.path.join(sys.argv[1], 'setup' + os.environ['MLX_RANK'])"
+            ", 'w').close(); time.sleep(60)")
+    p = subprocess.Popen([*LAUNCH, sys.executable, "-c", rank, str(tmp_path)], cwd=tmp_path,
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp)})
+    try:
+        _wait_for_setups(p, tmp_path)
+        p.send_signal(signal.SIGINT)
+        err = p.communicate(timeout=60)[1]
+    finally:
+        end_child(p)
+    assert p.returncode == 130, err
+    assert "SIGUSR2" not in err and err.count("KeyboardInterrupt") == 2, err
+    assert sorted(f.name for f in tmp.iterdir()) == []
+
 def test_a_port_in_use_is_one_line_per_rank_not_a_traceback(tmp_path):
     """`toymlx-launch --port P` with P taken: each rank printed MLX's bare RuntimeError
     ("[ring] Couldn't bind socket (error: 98)") as a traceback. Now one line names the cause
@@ -596,13 +632,16 @@ def test_plain_mlx_launch_exits_0_on_a_failed_rank_without_hanging(tmp_path):
 def test_a_killed_launcher_leaves_no_rank_running(tmp_path):
     """Issue 17 case 1: `kill -9` of toymlx-launch once left both ranks training with nothing
     watching them. Now mlx.launch (run tied to toymlx-launch) ends its session, and each rank,
-    tied to mlx.launch, stops too."""
+    tied to mlx.launch, stops too. mlx.launch's files for the ranks (`_own_temp_files`) go with
+    it."""
     status = tmp_path / "status"
     root = tmp_path / "runs"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     p = subprocess.Popen([*LAUNCH[:-1], "--status-dir", str(status), "--", *TRAIN, *ARGS,
                           "--no-compile", "--steps", "100000", "--runs-root", str(root),
                           "--run-id", "dp"], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp)})
     t0 = time.monotonic()
     while not any(e["kind"] == "step" and e["step"] >= 3 for e in read_events(root / "dp")):
         assert p.poll() is None, p.stderr.read()[-3000:]
@@ -618,6 +657,7 @@ def test_a_killed_launcher_leaves_no_rank_running(tmp_path):
     while any(_running(x) for x in [*launcher, *ranks]):
         assert time.monotonic() - t0 < 30, "a rank outlived its killed launcher"
         time.sleep(0.1)
+    assert [f.name for f in tmp.iterdir() if f.name != "mlx"] == []  # MLX's cache stays
 
 
 @pytest.mark.slow
@@ -1287,6 +1327,7 @@ def test_a_refusal_every_rank_meets_is_said_by_rank_0_alone(tmp_path, capsys, mo
     assert capsys.readouterr().err == "" and not root.exists()
     assert run._refused("toymlx-train: error: x", None) == 2  # not alike: said, no wait
     assert capsys.readouterr().err == "toymlx-train: error: x\n" and len(waited) == 3
+
 
 
 STPES = ("toymlx-train: error: --stpes: expected an option of toymlx-train --recipe "
