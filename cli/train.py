@@ -138,6 +138,7 @@ def _main(argv: list[str] | None) -> int:
     from toymlx.recipes import get_recipe
     from toymlx.runner.api import check_given_types
     from toymlx.runner.bundle import Bundle
+    from toymlx.runner.launch import refused_alike
     from toymlx.runner.run import run_training
 
     argv = sys.argv[1:] if argv is None else argv
@@ -183,8 +184,10 @@ def _main(argv: list[str] | None) -> int:
         elif recipe is None and config_path is not None and not {"--help", "-h"} & set(argv):
             raise ValueError(_no_recipe(config_path, options))
         elif recipe is None:
-            print(_usage(), file=sys.stderr if "--help" not in argv else sys.stdout)
-            return 0 if ("--help" in argv or "-h" in argv) else 2
+            if "--help" in argv or "-h" in argv:
+                print(_usage(), file=sys.stderr if "--help" not in argv else sys.stdout)
+                return 0
+            return refused_alike(_usage())
         else:
             module = get_recipe(recipe)
             if config_path is not None:
@@ -203,21 +206,18 @@ def _main(argv: list[str] | None) -> int:
                                                 rest)
     except (ValueError, OSError) as e:  # RunError, LockHeld, an unknown --recipe; a path the
         # system refuses (a name too long)
-        print(f"toymlx-train: error: {e}", file=sys.stderr)
-        return 2
+        return refused_alike(f"toymlx-train: error: {e}")
     try:
         cfg = parse_options(module.Config, rest, f"toymlx-train --recipe {recipe}", default,
                             f"{module.__doc__}\n\n{CONFIG_HELP}")
     except UsageError as e:
-        print(f"toymlx-train: error: {e}", file=sys.stderr)
-        return 2
+        return refused_alike(f"toymlx-train: error: {e}")
     try:
         if mlx_lm:
             cfg, more = mlx_lm_parsed(cfg, in_file, config_path, rest)
             notes += more
     except ValueError as e:
-        print(f"toymlx-train: error: {e}", file=sys.stderr)
-        return 2
+        return refused_alike(f"toymlx-train: error: {e}")
     def named(message: str) -> str:
         """A refusal before the first step naming its options as the user gave them: a config
         file's value by the file's key, not the flag (an mlx-lm file's, as mlx-lm spells it);

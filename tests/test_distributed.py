@@ -533,6 +533,42 @@ def test_mlx_launch_s_warnings_keep_their_colour_on_a_terminal(tmp_path):
     assert err.splitlines()[0] == f"\033[33m{WARN_3} \033[0m", err
 
 
+
+def test_a_command_that_is_not_toymlx_s_passes_on_its_exit_code_and_leaves_no_files(tmp_path):
+    """`toymlx-launch -n 2 -- python -c "...sys.exit(3)"` said "ranks 0-1: never reported
+    starting" and exited 1, not 3 (only toymlx-train reports how it ended), and left each rank's
+    mlx.launch pidfile and hostfile (`mktemp`'s tmp.*) in TMPDIR: as torchrun does, the exit code
+    passed on, the rank named with it, and nothing left behind."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    p = _launch(tmp_path, [*LAUNCH, *EXIT_3], timeout=60, env={"TMPDIR": str(tmp)})
+    assert p.returncode == 3, p.stderr
+    assert re.search(r"^toymlx-launch: ranks? 0(-1)?: exit code 3$", p.stderr,
+                     re.MULTILINE), p.stderr
+    assert "never reported" not in p.stderr
+    assert sorted(f.name for f in tmp.iterdir()) == []
+
+
+def test_ctrl_c_on_a_command_that_is_not_toymlx_s_is_its_ctrl_c_and_leaves_no_files(tmp_path):
+    """... and Ctrl-C: the ranks got toymlx-train's relay of it (SIGUSR2), which killed them
+    ("ended by SIGUSR2", exit status 140); now the signal itself (a Python rank's
+    KeyboardInterrupt, 130), and no files left in TMPDIR."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    rank = ("import os, sys, time; open(os.path.join(sys.argv[1], 'setup' + os.environ['MLX_RANK'])"
+            ", 'w').close(); time.sleep(60)")
+    p = subprocess.Popen([*LAUNCH, sys.executable, "-c", rank, str(tmp_path)], cwd=tmp_path,
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp)})
+    try:
+        _wait_for_setups(p, tmp_path)
+        p.send_signal(signal.SIGINT)
+        err = p.communicate(timeout=60)[1]
+    finally:
+        end_child(p)
+    assert p.returncode == 130, err
+    assert "SIGUSR2" not in err and err.count("KeyboardInterrupt") == 2, err
+    assert sorted(f.name for f in tmp.iterdir()) == []
+
 def test_a_port_in_use_is_one_line_per_rank_not_a_traceback(tmp_path):
     """`toymlx-launch --port P` with P taken: each rank printed MLX's bare RuntimeError
     ("[ring] Couldn't bind socket (error: 98)") as a traceback. Now one line names the cause
@@ -596,13 +632,16 @@ def test_plain_mlx_launch_exits_0_on_a_failed_rank_without_hanging(tmp_path):
 def test_a_killed_launcher_leaves_no_rank_running(tmp_path):
     """Issue 17 case 1: `kill -9` of toymlx-launch once left both ranks training with nothing
     watching them. Now mlx.launch (run tied to toymlx-launch) ends its session, and each rank,
-    tied to mlx.launch, stops too."""
+    tied to mlx.launch, stops too. mlx.launch's files for the ranks (`_own_temp_files`) go with
+    it."""
     status = tmp_path / "status"
     root = tmp_path / "runs"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     p = subprocess.Popen([*LAUNCH[:-1], "--status-dir", str(status), "--", *TRAIN, *ARGS,
                           "--no-compile", "--steps", "100000", "--runs-root", str(root),
                           "--run-id", "dp"], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp)})
     t0 = time.monotonic()
     while not any(e["kind"] == "step" and e["step"] >= 3 for e in read_events(root / "dp")):
         assert p.poll() is None, p.stderr.read()[-3000:]
@@ -618,6 +657,7 @@ def test_a_killed_launcher_leaves_no_rank_running(tmp_path):
     while any(_running(x) for x in [*launcher, *ranks]):
         assert time.monotonic() - t0 < 30, "a rank outlived its killed launcher"
         time.sleep(0.1)
+    assert [f.name for f in tmp.iterdir() if f.name != "mlx"] == []  # MLX's cache stays
 
 
 @pytest.mark.slow
@@ -1288,6 +1328,45 @@ def test_a_refusal_every_rank_meets_is_said_by_rank_0_alone(tmp_path, capsys, mo
     assert run._refused("toymlx-train: error: x", None) == 2  # not alike: said, no wait
     assert capsys.readouterr().err == "toymlx-train: error: x\n" and len(waited) == 3
 
+
+
+STPES = ("toymlx-train: error: --stpes: expected an option of toymlx-train --recipe "
+         "from-scratch, got an unknown one; did you mean --steps?\n")
+
+
+def test_a_command_line_every_rank_refuses_is_said_by_rank_0_alone(tmp_path, capsys,
+                                                                    monkeypatch):
+    """`toymlx-launch -n 2 -- toymlx-train --stpes 3`: tyro's refusal, met by every rank before
+    the ranks can meet, was printed by each. Rank 0 says it; another rank says it has refused
+    and waits for rank 0's exit report (its own exit would have mlx.launch stop rank 0 before
+    its line) and exits 2 without a word, or says it itself where rank 0 ended without one."""
+    status = tmp_path / "status"
+    status.mkdir()
+    monkeypatch.setenv("TOYMLX_RANK_STATUS", str(status))
+    argv = ["--recipe", "from-scratch", "--stpes", "3", "--runs-root", str(tmp_path / "runs")]
+    (status / "rank0.exit").write_text('{"code": 2, "error": null}')
+    monkeypatch.setenv("MLX_RANK", "1")
+    assert train_main(argv) == 2
+    assert capsys.readouterr().err == ""
+    assert (status / "rank1.refused").exists()  # what rank 0 waits for before it exits
+    (status / "rank0.exit").unlink()  # rank 0 gone without its report: rank 1 says it
+    (status / "rank0.start").write_text(json.dumps({"pid": 2 ** 22 + 1,
+                                                    "host": socket.gethostname()}))
+    assert train_main(argv) == 2
+    assert capsys.readouterr().err == STPES
+    monkeypatch.setenv("MLX_RANK", "0")
+    monkeypatch.setenv("TOYMLX_LAUNCH_RANKS", "2")
+    assert train_main(argv) == 2
+    assert capsys.readouterr().err == STPES
+
+
+def test_a_launch_of_a_command_line_every_rank_refuses_says_it_once(tmp_path):
+    """... as a real 3-rank launch: the line once, exit status 2. It was 3 lines, or, where
+    one rank refused first, rank 0's line, "toymlx-train: stopped by SIGTERM" from the ranks
+    mlx.launch then stopped, and three lines of the launch's."""
+    p = _launch(tmp_path, [*LAUNCH[:-2], "3", "--", *TRAIN, "--recipe", "from-scratch",
+                           "--stpes", "3"], timeout=120)
+    assert (p.returncode, p.stderr) == (2, STPES)
 
 @pytest.mark.interop  # the resume writes the file with llama.cpp's own quantizer
 def test_a_stop_during_rank_0_s_export_ends_every_rank_alike(tmp_path, stories_path):

@@ -17,12 +17,16 @@ too. No rank trains on with nothing watching it.
 
 mlx.launch runs each rank through a bash script (over ssh on another host) that leaves two
 files in that host's temp folder (`mktemp`'s, `$TMPDIR` or /tmp) for good: the rank's pidfile
-(removed only by its kill path) and its hostfile (`MLX_HOSTFILE`). Each rank names them in its
-start report (`_mlx_temp_files`) and removes them itself as it ends, on whatever host it ran
-(`rank_status`); mlx.launch's kill path, which may run after, is made to pass over a pidfile
-already gone (`_kill_script_tolerant`). A rank killed before it could (SIGKILL after `grace`)
-leaves them: `toymlx-launch` removes those on this host once mlx.launch's whole session has
-ended (`_remove_mlx_temp_files`); on another host they stay.
+(removed only by its kill path) and its hostfile (`MLX_HOSTFILE`). On this host the script makes
+them in a folder of the launch's own instead, removed as it ends (`_own_temp_files`), whatever
+the command. On another host each rank names them in its start report (`_mlx_temp_files`) and
+removes them itself as it ends (`rank_status`); mlx.launch's kill path, which may run after, is
+made to pass over a pidfile already gone (`_kill_script_tolerant`). A rank killed before it
+could (SIGKILL after `grace`), or a command that is not toymlx-train, leaves them there.
+
+A command that does not report (not toymlx-train) is judged by its exit status as mlx.launch
+saw it (`_record_ends`), and gets a stop request as the signal itself (a rank of toymlx-train
+gets its relay, `relayed`).
 """
 
 from __future__ import annotations
@@ -58,11 +62,16 @@ from toymlx.backend.stop import (
     SOLO_SIGNALS,
     STOP_CODES,
     StopSignals,
+    ignore_stop_signals,
     relayed,
     stop_outcome,
 )
 
 STATUS_ENV = "TOYMLX_RANK_STATUS"
+RANKS_ENV = "TOYMLX_LAUNCH_RANKS"
+"""The number of ranks of the launch, for each rank (`refused_alike`)."""
+TEMP_ENV = "TOYMLX_LAUNCH_TEMP"
+"""The folder of mlx.launch's files for the ranks on this host (`_own_temp_files`)."""
 SESSION_GRACE = 60.0
 """Seconds mlx.launch's session gets to stop by itself (each rank: its step, then a final
 checkpoint) once the toymlx-launch that started it died, before it is killed."""
@@ -73,7 +82,7 @@ BACKENDS = ("ring", "mpi", "nccl", "jaccl", "jaccl-ring")
 _PORTS = (20000, 60000)
 """The ports `_free_port_base` chooses a ring's first port among."""
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_REPORT_NAME = re.compile(r"rank[0-9]+\.(start|exit)")
+_REPORT_NAME = re.compile(r"rank[0-9]+\.(start|exit|end|refused)")
 """The name of a rank's report in the status folder (`rank_status`)."""
 _SILENT = ("ended without reporting: killed, crashed, or stopped by mlx.launch after another "
            "rank failed")
@@ -127,6 +136,42 @@ def rank_status() -> Iterator[RankStatus]:
     finally:
         _remove_temp_files(start)
         _write(base.with_suffix(".exit"), {"code": status.code, "error": error})
+
+
+def refused_alike(line: str, wait: float = 30.0) -> int:
+    """Exit status 2 after `line`, a refusal of the command line that every rank meets alike
+    before the ranks can meet (each parses the same one: `toymlx-train --stpes 3`): under
+    `launch`, said by rank 0 alone, as `run._refused` says a refusal after they met. Each rank
+    printed it: N identical lines under `toymlx-launch -n N`. mlx.launch stops the other ranks
+    (SIGTERM) once one has exited non-zero, so no rank exits before all have refused: another
+    rank ignores stop signals, says so (`rank<r>.refused`) and waits for rank 0's exit report;
+    rank 0 says the line and waits for every rank's `.refused` (a rank still starting was
+    stopped, "toymlx-train: stopped by SIGTERM"). After `wait` seconds (a rank did not refuse
+    alike) a rank goes on alone, rank 1 and up saying the line themselves."""
+    folder, rank = os.environ.get(STATUS_ENV), _rank()
+    if not folder or rank is None:
+        print(line, file=sys.stderr, flush=True)
+        return REFUSED
+    status, end = Path(folder), time.time() + wait
+    if rank == 0:
+        print(line, file=sys.stderr, flush=True)
+        others = range(1, int(os.environ.get(RANKS_ENV, "1")))
+        while time.time() < end and not all(
+                any((status / f"rank{r}.{s}").exists() for s in ("refused", "exit"))
+                for r in others):
+            time.sleep(0.05)
+        return REFUSED
+    ignore_stop_signals()
+    atomic.write_text(status / f"rank{rank}.refused", "")
+    zero = status / "rank0"
+    while not zero.with_suffix(".exit").exists():
+        start = _read(zero.with_suffix(".start"))
+        if (time.time() > end or start is not None and start.get("host") == socket.gethostname()
+                and not alive(int(start.get("pid", 0)))):
+            print(line, file=sys.stderr, flush=True)
+            break
+        time.sleep(0.05)
+    return REFUSED
 
 
 def _mktemp_file(entry: os.DirEntry | Path) -> bool:
@@ -236,6 +281,9 @@ def _mlx_launch_child() -> None:
     _quiet_stops(mlx_launch)
     _terminate_unstopped(mlx_launch)
     _kill_script_tolerant(mlx_launch)
+    temp = Path(os.environ[TEMP_ENV])
+    _own_temp_files(mlx_launch, temp)
+    _record_ends(mlx_launch, Path(os.environ[STATUS_ENV]))
 
     def end_session() -> None:
         # we lead the session: every rank stops after its step, and we end when they have;
@@ -255,7 +303,10 @@ def _mlx_launch_child() -> None:
     os.environ[PARENT_ENV] = str(os.getpid())  # the ranks are our children
     sys.argv[0] = "mlx.launch"
     sys.stdout, sys.stderr = _relay(sys.stdout), _relay(sys.stderr)
-    mlx_launch.main()
+    try:
+        mlx_launch.main()
+    finally:  # toymlx-launch removes it too, unless it was killed (`end_session`)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 class _ConsoleFd(io.RawIOBase):
@@ -333,7 +384,8 @@ def _quiet_stops(mlx_launch: ModuleType) -> None:
     def log_warning(*args: object, **kwargs: object) -> None:
         m = re.fullmatch(r"Node with rank \d+ exited with code (-?\d+)",
                          " ".join(map(str, args)))
-        if m is None or int(m[1]) not in STOP_CODES | {REFUSED}:
+        code = None if m is None else int(m[1])  # -15: killed by SIGTERM, as 143 says
+        if code is None or (128 - code if code < 0 else code) not in STOP_CODES | {REFUSED}:
             warn(*args, **kwargs)
     mlx_launch.log_warning = log_warning
 
@@ -369,6 +421,46 @@ def _kill_script_tolerant(mlx_launch: ModuleType) -> None:
     mlx_launch.RemoteProcess.make_kill_script = staticmethod(make_kill_script)
 
 
+def _own_temp_files(mlx_launch: ModuleType, folder: Path) -> None:
+    """mlx.launch's launch script for a rank on this host with its pidfile and hostfile in
+    `folder` (the launch's own temporary folder, removed as it ends) instead of two `mktemp`
+    files in $TMPDIR that it never removes: a command that does not report to toymlx-launch
+    (`python -c ...`), or a launch killed, left them there. A script worded otherwise by another
+    MLX keeps mktemp's files (each toymlx-train rank still removes its own: `rank_status`)."""
+    make = mlx_launch.RemoteProcess.make_launch_script
+
+    def make_launch_script(rank: int, python: object, cwd: object, files: object, env: object,
+                           command: object, is_local: bool) -> str:
+        script = make(rank, python, cwd, files, env, command, is_local)
+        if not is_local:  # another host's temp folder: its ranks remove their own
+            return script
+        for name, path in (("pidfile", f"rank{rank}.pid"), ("fname", f"rank{rank}.hosts")):
+            script = script.replace(f"{name}=$(mktemp); ",
+                                    f"{name}={shlex.quote(str(folder / path))}; ")
+        return script
+    mlx_launch.RemoteProcess.make_launch_script = staticmethod(make_launch_script)
+
+
+def _record_ends(mlx_launch: ModuleType, status_dir: Path) -> None:
+    """Each rank's exit status as mlx.launch saw it, in `<status_dir>/rank<r>.end`: a command
+    that does not report itself (`rank_status`: not toymlx-train) is then named by its exit
+    code, which the launch passes on; it was "never reported starting" and exit status 1."""
+    init = mlx_launch.RemoteProcess.__init__
+    exit_status = mlx_launch.RemoteProcess.exit_status.fget
+
+    def __init__(self: object, rank: int, *args: object, **kwargs: object) -> None:
+        self._toymlx_rank = rank
+        init(self, rank, *args, **kwargs)
+
+    def ended(self: object) -> tuple[int | None, bool]:
+        code, killed = exit_status(self)
+        if code is not None:
+            _write(status_dir / f"rank{self._toymlx_rank}.end", {"code": code, "killed": killed})
+        return code, killed
+    mlx_launch.RemoteProcess.__init__ = __init__
+    mlx_launch.RemoteProcess.exit_status = property(ended)
+
+
 def failures(status_dir: Path, n: int, final: bool) -> dict[int, tuple[int | None, str]]:
     """rank -> (exit code or None, why) for each failed rank, from the status files; with
     `final`, a rank that left no exit report counts as failed."""
@@ -387,9 +479,26 @@ def failures(status_dir: Path, n: int, final: bool) -> dict[int, tuple[int | Non
                 and not alive(int(start.get("pid", 0))))
         if gone and _read(status_dir / f"rank{r}.exit") is None:  # it may have just reported
             out[r] = (None, _SILENT)
+        elif start is None and (end := _read(status_dir / f"rank{r}.end")):
+            out.update(_unreported(r, end))  # not toymlx-train: its exit status, as mlx.launch saw
         elif final and _read(status_dir / f"rank{r}.exit") is None:
             out[r] = (None, "never reported starting" if start is None else _SILENT)
     return out
+
+
+def _unreported(r: int, end: dict) -> dict[int, tuple[int | None, str]]:
+    """{r: (exit code, why)} for rank `r`, which never reported (`rank_status`), from how
+    mlx.launch saw it end (`_record_ends`): nothing where it exited 0."""
+    code = end.get("code")
+    if not isinstance(code, int) or code == 0:
+        return {}
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return {r: (128 - code, f"ended by {name}")}
+    return {r: (code, f"exit code {code}")}
 
 
 def left_waiting(bad: dict[int, tuple[int | None, str]], grace: float
@@ -520,16 +629,27 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
     ranks = n * len(machines) if machines else n
     cmd = [*module_command("toymlx.runner.launch"), "--backend", backend, "-n", str(n),
            *(["--hosts", hosts] if hosts else []), *(["-p", str(port)] if port else []),
-           "--env", f"{STATUS_ENV}={folder}",
+           "--env", f"{STATUS_ENV}={folder}", "--env", f"{RANKS_ENV}={ranks}",
            *[a for e in env for a in ("--env", e)], "--", *command]
-    proc = subprocess.Popen(cmd, start_new_session=True, env=child_env())
+    temp = tempfile.mkdtemp(prefix="toymlx-launch-files-")  # `_own_temp_files`
+    try:
+        proc = subprocess.Popen(cmd, start_new_session=True,
+                                env=child_env({**os.environ, STATUS_ENV: str(folder),
+                                               TEMP_ENV: temp}))
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
     failed_at, passed, killed = None, 0, False
     try:
         with StopSignals(SOLO_SIGNALS) as stop:
             while proc.poll() is None:
                 if stop.count > passed:
                     passed += 1
-                    if _interrupt(proc, passed, stop.last or signal.SIGINT, grace, stream):
+                    # ranks that never reported (not toymlx-train's) get the signal itself:
+                    # only toymlx-train knows the relayed one (`relayed`), the others died of it
+                    plain = not any(folder.glob("rank*.start"))
+                    if _interrupt(proc, passed, stop.last or signal.SIGINT, grace, stream,
+                                  plain):
                         break
                     if passed == 2:
                         failed_at = failed_at or time.time()
@@ -545,6 +665,7 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
                 time.sleep(0.2)
     finally:
         proc.wait()
+        shutil.rmtree(temp, ignore_errors=True)  # mlx.launch, which used them, has ended
     bad = failures(folder, ranks, final=True)
     if _session_ended(proc.pid):
         _remove_mlx_temp_files(folder, ranks)
@@ -634,14 +755,14 @@ def _say_failed(bad: dict[int, tuple[int | None, str]], grace: float, stream: Te
 
 
 def _interrupt(proc: subprocess.Popen, count: int, signum: int, grace: float,
-               stream: TextIO) -> bool:
+               stream: TextIO, plain: bool = False) -> bool:
     """Stop request number `count` (Ctrl-C, SIGTERM or SIGHUP: `signum`), passed on to every
     rank as its own (`relayed`; mlx.launch ignores it): the first stops them all after the same
     step, rank 0 writing a final checkpoint; the second skips that checkpoint if it has not
     begun, and the ranks get `grace` seconds before they are stopped (one blocked in a
     collective never ends by itself); a third stops them at once. The reader of this process's
-    output gone (`READER_GONE`) is passed on as Ctrl-C: a rank counts no SIGPIPE. Returns
-    whether it stopped them."""
+    output gone (`READER_GONE`) is passed on as Ctrl-C: a rank counts no SIGPIPE. With
+    `plain`, the signal itself is passed on, not its relay. Returns whether it stopped them."""
     if count > 2:
         stream.write("toymlx-launch: interrupted a third time: stopping every rank now\n")
         stream.flush()
@@ -649,7 +770,8 @@ def _interrupt(proc: subprocess.Popen, count: int, signum: int, grace: float,
         return True
     gone = signum == READER_GONE
     try:
-        os.killpg(proc.pid, relayed(signal.SIGINT if gone else signum))
+        sig = signal.SIGINT if gone else signum
+        os.killpg(proc.pid, sig if plain else relayed(sig))
     except ProcessLookupError:
         return False
     if gone:
