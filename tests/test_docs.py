@@ -604,6 +604,8 @@ def test_every_environment_variable_the_docs_name_is_read():
 INTERNAL_VARIABLES = {
     "TOYMLX_PARENT_PID": "set by a toymlx parent for its children (toymlx/backend/lifeline.py)",
     "TOYMLX_RANK_STATUS": "set by toymlx-launch for its ranks (toymlx/runner/launch.py)",
+    "TOYMLX_LAUNCH_RANKS": "set by toymlx-launch for its ranks (toymlx/runner/launch.py)",
+    "TOYMLX_LAUNCH_TEMP": "set by toymlx-launch for mlx.launch's script (runner/launch.py)",
     "TOYMLX_RESTARTED": "set by a command's huge-page restart (toymlx/backend/device.py)",
     "TOYMLX_TRAIN_KEYWORDS": "set by toymlx.train(config=FILE) for its command (runner/api.py)",
 }
