@@ -225,7 +225,7 @@ def run(args: Args) -> int:
     from toymlx.backend.atomic import atomic_open, output_folder
     from toymlx.bundle.checkpoint import checkpoint_file
     from toymlx.gguf.llama import load_llama
-    from toymlx.gguf.reader import GGUFFile
+    from toymlx.gguf.reader import GGUFFile, refuse_adapter
     from toymlx.interop.merge import fine_tune_base, write_fused_exact, write_merged
     from toymlx.runner.bundle import fused_run_data
     from toymlx.training.adapter import apply_adapter, load_adapter
@@ -275,7 +275,11 @@ def run(args: Args) -> int:
         raise ValueError("--exact-size: expected with --fuse and without --dtype (it writes the "
                          f"base's own types), found {'--dtype' if args.dtype else 'no --fuse'}")
     base = checkpoint_file(base_spec, "--base")
-    if GGUFFile(base).metadata.get("general.architecture") == "vit":  # was "expected one of
+    meta = GGUFFile(base).metadata
+    # an adapter as --base beside --adapter said "expected a projection weight of the base
+    # ADAPTER": the option and the base to give instead (the adapter's `toy.base`)
+    refuse_adapter(base, meta, "--base" if args.adapter else None)
+    if meta.get("general.architecture") == "vit":  # was "expected one of
         # llama, ..., found 'vit'", nothing of the export a ViT has
         raise ValueError(f"{base}: --base: expected a language model, found 'vit', an image "
                          "classifier (its checkpoint is a GGUF already); for timm: "

@@ -226,6 +226,22 @@ def test_a_lora_adapter_given_as_the_base_is_one_short_line(trained, tmp_path, c
         assert len(line) < 250 + len(str(ckpt))
 
 
+def test_an_adapter_given_as_the_base_beside_adapter_names_base_and_its_model(trained, tmp_path,
+                                                                             capsys):
+    """`toymlx-export --base ADAPTER --adapter ADAPTER --fuse` said "tensor ...lora_a: expected
+    a projection weight of the base ADAPTER, found no such weight": --base is named, with the
+    base the adapter records; nothing is written."""
+    ckpt = trained / "where" / "runs" / "rel" / "weights" / "adapter_step_2.gguf"
+    out = tmp_path / "fused.gguf"
+    assert _cli("export")(["--base", str(ckpt), "--adapter", str(ckpt), "--fuse",
+                           "--no-held-out", "--out", str(out)]) == 2
+    assert error_line(capsys, "toymlx-export") == (
+        f"toymlx-export: error: {ckpt}: --base: expected a model GGUF, found a LoRA adapter (a "
+        "LoRA run's checkpoint), which holds no tokenizer or base weights; pass its base model "
+        "(smol.gguf)")
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
 def test_moved_data_is_taken_only_with_its_recorded_fingerprint(trained, tmp_path, capsys,
                                                                monkeypatch):
     run = trained / "where" / "runs" / "rel"
