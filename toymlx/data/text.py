@@ -83,6 +83,10 @@ def _shell_names(path: Path) -> dict[str, str]:
             "utf8": shlex.quote(f"{path}.utf8")}
 
 
+IMAGES_TRAIN = ("images train a classifier, toymlx-train --recipe vit-tiny --data.path FOLDER "
+                "(a subfolder of images per class)")
+"""What to do with images given where text is read (an image file, a folder of class folders)."""
+
 NOT_TEXT = {
     b"GGUF": ("a GGUF model file: --data.path takes text (a model is --base, --donor, "
               "--tokenizer or toymlx-eval's --model)"),
@@ -98,9 +102,7 @@ NOT_TEXT = {
     b"\x1f\x8b": "a gzip-compressed file: decompress it first (gunzip {sh})",
     b"PK\x03\x04": "a zip archive: extract its files first (unzip {sh})",
     # a PNG or JPEG (the kinds not UTF-8 at their first byte) as text: "re-save it as UTF-8"
-    **{magic: (f"a {kind} image: images train a classifier, toymlx-train --recipe vit-tiny "
-               "--data.path FOLDER (a subfolder of images per class)")
-       for magic, kind in IMAGE_MAGIC},
+    **{magic: f"a {kind} image: {IMAGES_TRAIN}" for magic, kind in IMAGE_MAGIC},
 }
 """Files people give as data that are not text, by their first bytes (read where the text is
 not UTF-8): what each is and what to do instead of "re-save the file as UTF-8" (`_shell_names`:
