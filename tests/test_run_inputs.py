@@ -242,6 +242,24 @@ def test_an_adapter_given_as_the_base_beside_adapter_names_base_and_its_model(tr
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
+def test_an_adapter_outside_its_run_given_to_eval_names_what_eval_takes(trained, tmp_path,
+                                                                       capsys):
+    """`toymlx-eval --model adapter.gguf` (copied out of its run) said "pass it as --adapter,
+    with its base model as --base", flags toymlx-eval does not have; it now gives the run
+    folder, or the export that fuses it with the base it records (`toy.base`)."""
+    import shutil
+
+    ckpt = tmp_path / "my adapter.gguf"
+    shutil.copy(trained / "where" / "runs" / "rel" / "weights" / "adapter_step_2.gguf", ckpt)
+    assert _cli("eval")(["--model", str(ckpt)]) == 2
+    assert error_line(capsys, "toymlx-eval") == (
+        f"toymlx-eval: error: {ckpt}: --model: expected a model GGUF or a run folder, found a "
+        "LoRA adapter outside its run (no tokenizer or base weights); give its run folder "
+        "(--model runs/RUN), or fuse it with its base first: toymlx-export --adapter "
+        f"'{ckpt}' --base smol.gguf --fuse --out fused.gguf, then toymlx-eval --model "
+        "fused.gguf")
+
+
 def test_moved_data_is_taken_only_with_its_recorded_fingerprint(trained, tmp_path, capsys,
                                                                monkeypatch):
     run = trained / "where" / "runs" / "rel"
