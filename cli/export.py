@@ -263,6 +263,8 @@ def run(args: Args) -> int:
     base_spec = args.base or run_base_of(args.adapter)
     if args.base and args.adapter and (note := moved_base_note(args.base, args.adapter)):
         print(f"{PROG}: reads --base from {note}", file=sys.stderr)
+    elif args.base and args.adapter and (note := other_base_note(args.base, args.adapter)):
+        print(f"{PROG}: note: {note}", file=sys.stderr)
     # a path, a run, or ollama:NAME / lmstudio:NAME / hf:...; an Ollama blob's SHA-256 (a read
     # of the whole base) after the cheap refusals: the output, the flags
     base = checkpoint_file(base_spec, "--base", check_digest=False)
@@ -359,6 +361,31 @@ def moved_base_note(base: str, adapter: str) -> str | None:
     except (RunError, OSError):  # a run the export reads nothing else of: --base is given
         return None
     return bundle.given_input("base", base) if bundle is not None else None
+
+
+def other_base_note(base: str, adapter: str) -> str | None:
+    """What to say where --base holds other contents than the base the --adapter's run trained
+    on (another quantization of it, a sibling model of the same shape, or a slip): exported
+    as given, as llama.cpp applies an adapter to any base it fits, but not without a word; None
+    where it is that base, or nothing is recorded (`moved_base_note` says a moved one)."""
+    import os
+
+    from toymlx.bundle.inputs import MODEL_FILES_KEY, same_contents
+    from toymlx.bundle.options import RunError
+    from toymlx.runner.bundle import Bundle
+
+    try:
+        bundle = Bundle.of(adapter, "--adapter")
+    except (RunError, OSError):
+        return None
+    rec = bundle.saved.get(MODEL_FILES_KEY, {}).get("base") if bundle is not None else None
+    if (not isinstance(rec, dict) or not isinstance(rec.get("file"), str)
+            or not os.path.isfile(base) or os.path.realpath(base) == rec["file"]):
+        return None
+    same, now, want = same_contents("base", rec, Path(base), bundle.config)
+    return None if same else (
+        f"--base {base} ({now}) is not the base the run {bundle.path} trained on "
+        f"({rec['file']}, {want}): the adapter is applied to it as given")
 
 
 def run_base_of(adapter: str | None) -> str:

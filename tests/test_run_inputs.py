@@ -5,6 +5,7 @@ any other way against the recorded SHA-256, and say which file they used."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -150,6 +151,31 @@ def test_export_without_base_writes_the_same_bytes(trained, tmp_path, capsys, mo
     assert export(["--adapter", str(run), "--format", "modelfile", "--out",
                    str(tmp_path / "m")]) == 0
     assert f"FROM {trained / 'where' / 'smol.gguf'}\n" in (tmp_path / "m" / "Modelfile").read_text()
+
+
+def test_export_onto_another_base_of_the_same_shape_says_so_and_writes_it(trained, tmp_path,
+                                                                          capsys):
+    """`toymlx-export --adapter RUN --base OTHER --fuse`, OTHER a model of the same shape with
+    other weights (a slip, or another quantization on purpose): fused without a word. It is
+    still written, as llama.cpp applies an adapter to any base it fits, with a note naming
+    both files; the run's own base gets none."""
+    run, other = trained / "where" / "runs" / "rel", trained / "elsewhere" / "smol.gguf"
+    recorded = trained / "where" / "smol.gguf"
+    export = _cli("export")
+    capsys.readouterr()
+    assert export(["--adapter", str(run), "--base", str(other), "--fuse", "--no-held-out",
+                   "--out", str(tmp_path / "o.gguf")]) == 0
+    note = capsys.readouterr().err.splitlines()[0]
+    digest = hashlib.sha256
+    assert note == (f"toymlx-export: note: --base {other} (sha256 "
+                    f"{digest(other.read_bytes()).hexdigest()[:12]}) is not the base the run "
+                    f"{run} trained on ({recorded}, sha256 "
+                    f"{digest(recorded.read_bytes()).hexdigest()[:12]}): the adapter is applied "
+                    "to it as given")
+    assert (tmp_path / "o.gguf").is_file()
+    assert export(["--adapter", str(run), "--base", str(recorded), "--fuse", "--no-held-out",
+                   "--out", str(tmp_path / "r.gguf")]) == 0
+    assert "note:" not in capsys.readouterr().err
 
 
 def test_resume_from_another_folder_trains_on_the_recorded_files(trained, tmp_path, capsys,
