@@ -89,10 +89,10 @@ class Args:
     passes, minutes each on a 1B model on a CPU) to say how much of the fine-tune it keeps;
     --no-held-out writes the file without them, as mlx_lm.fuse does."""
     dtype: ExportType | None = None
-    """File type of the written model, as llama-quantize names them (default: the base's own
-    general.file_type; with --fuse, the base's tensors kept and each adapted one in a type that
-    keeps its change). Without llama-cpp-python only f32, f16, bf16, q8_0, q4_0, q4_1, q5_0
-    and q5_1 (gguf-py's encoders)."""
+    """File type of the written model, as llama-quantize names them, in either case (Q4_K_M or
+    q4_k_m; default: the base's own general.file_type; with --fuse, the base's tensors kept and
+    each adapted one in a type that keeps its change). Without llama-cpp-python only f32, f16,
+    bf16, q8_0, q4_0, q4_1, q5_0 and q5_1 (gguf-py's encoders)."""
 
 
 def export_vit(args: Args) -> int:
