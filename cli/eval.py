@@ -130,6 +130,20 @@ class Args:
 PROG = "toymlx-eval"
 
 
+def _adapter_alone(path: Path, metadata: dict[str, Any]) -> str:
+    """Why a LoRA adapter GGUF outside its run is not scored (eval has no --adapter or --base),
+    and the two ways that are: its run folder, or the fused model (its recorded base named)."""
+    import shlex
+
+    base = metadata.get("toy.base")
+    fuse = shlex.join(["toymlx-export", "--adapter", str(path), "--base",
+                       base if isinstance(base, str) else "BASE.gguf", "--fuse", "--out",
+                       "fused.gguf"])
+    return (f"{path}: --model: expected a model GGUF or a run folder, found a LoRA adapter "
+            "outside its run (no tokenizer or base weights); give its run folder (--model "
+            f"runs/RUN), or fuse it with its base first: {fuse}, then {PROG} --model fused.gguf")
+
+
 @console_command("toymlx-eval")
 def main(argv: list[str] | None = None) -> int:
     from toymlx_cli.config_file import given_file_keys
@@ -1138,7 +1152,9 @@ def evaluate(args: Args) -> dict:
     from toymlx.gguf.llama import check_model_kind
 
     with GGUFFile(path) as g:
-        check_model_kind(g)  # an adapter, a projector (mmproj): said before its architecture
+        if g.metadata.get("general.type") == "adapter":  # check_model_kind's fix names flags
+            raise ValueError(_adapter_alone(path, g.metadata))  # (--adapter, --base) eval lacks
+        check_model_kind(g)  # a projector (mmproj), a vocabulary: said before its architecture
         arch = g.architecture
     if arch == "vit":
         if args.seq_len is not None:  # was taken and ignored, exit status 0

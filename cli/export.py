@@ -89,10 +89,10 @@ class Args:
     passes, minutes each on a 1B model on a CPU) to say how much of the fine-tune it keeps;
     --no-held-out writes the file without them, as mlx_lm.fuse does."""
     dtype: ExportType | None = None
-    """File type of the written model, as llama-quantize names them (default: the base's own
-    general.file_type; with --fuse, the base's tensors kept and each adapted one in a type that
-    keeps its change). Without llama-cpp-python only f32, f16, bf16, q8_0, q4_0, q4_1, q5_0
-    and q5_1 (gguf-py's encoders)."""
+    """File type of the written model, as llama-quantize names them, in either case (Q4_K_M or
+    q4_k_m; default: the base's own general.file_type; with --fuse, the base's tensors kept and
+    each adapted one in a type that keeps its change). Without llama-cpp-python only f32, f16,
+    bf16, q8_0, q4_0, q4_1, q5_0 and q5_1 (gguf-py's encoders)."""
 
 
 def export_vit(args: Args) -> int:
@@ -225,7 +225,7 @@ def run(args: Args) -> int:
     from toymlx.backend.atomic import atomic_open, output_folder
     from toymlx.bundle.checkpoint import checkpoint_file
     from toymlx.gguf.llama import load_llama
-    from toymlx.gguf.reader import GGUFFile
+    from toymlx.gguf.reader import GGUFFile, refuse_adapter
     from toymlx.interop.merge import fine_tune_base, write_fused_exact, write_merged
     from toymlx.runner.bundle import fused_run_data
     from toymlx.training.adapter import apply_adapter, load_adapter
@@ -263,6 +263,8 @@ def run(args: Args) -> int:
     base_spec = args.base or run_base_of(args.adapter)
     if args.base and args.adapter and (note := moved_base_note(args.base, args.adapter)):
         print(f"{PROG}: reads --base from {note}", file=sys.stderr)
+    elif args.base and args.adapter and (note := other_base_note(args.base, args.adapter)):
+        print(f"{PROG}: note: {note}", file=sys.stderr)
     # a path, a run, or ollama:NAME / lmstudio:NAME / hf:...; an Ollama blob's SHA-256 (a read
     # of the whole base) after the cheap refusals: the output, the flags
     base = checkpoint_file(base_spec, "--base", check_digest=False)
@@ -275,7 +277,11 @@ def run(args: Args) -> int:
         raise ValueError("--exact-size: expected with --fuse and without --dtype (it writes the "
                          f"base's own types), found {'--dtype' if args.dtype else 'no --fuse'}")
     base = checkpoint_file(base_spec, "--base")
-    if GGUFFile(base).metadata.get("general.architecture") == "vit":  # was "expected one of
+    meta = GGUFFile(base).metadata
+    # an adapter as --base beside --adapter said "expected a projection weight of the base
+    # ADAPTER": the option and the base to give instead (the adapter's `toy.base`)
+    refuse_adapter(base, meta, "--base" if args.adapter else None)
+    if meta.get("general.architecture") == "vit":  # was "expected one of
         # llama, ..., found 'vit'", nothing of the export a ViT has
         raise ValueError(f"{base}: --base: expected a language model, found 'vit', an image "
                          "classifier (its checkpoint is a GGUF already); for timm: "
@@ -355,6 +361,31 @@ def moved_base_note(base: str, adapter: str) -> str | None:
     except (RunError, OSError):  # a run the export reads nothing else of: --base is given
         return None
     return bundle.given_input("base", base) if bundle is not None else None
+
+
+def other_base_note(base: str, adapter: str) -> str | None:
+    """What to say where --base holds other contents than the base the --adapter's run trained
+    on (another quantization of it, a sibling model of the same shape, or a slip): exported
+    as given, as llama.cpp applies an adapter to any base it fits, but not without a word; None
+    where it is that base, or nothing is recorded (`moved_base_note` says a moved one)."""
+    import os
+
+    from toymlx.bundle.inputs import MODEL_FILES_KEY, same_contents
+    from toymlx.bundle.options import RunError
+    from toymlx.runner.bundle import Bundle
+
+    try:
+        bundle = Bundle.of(adapter, "--adapter")
+    except (RunError, OSError):
+        return None
+    rec = bundle.saved.get(MODEL_FILES_KEY, {}).get("base") if bundle is not None else None
+    if (not isinstance(rec, dict) or not isinstance(rec.get("file"), str)
+            or not os.path.isfile(base) or os.path.realpath(base) == rec["file"]):
+        return None
+    same, now, want = same_contents("base", rec, Path(base), bundle.config)
+    return None if same else (
+        f"--base {base} ({now}) is not the base the run {bundle.path} trained on "
+        f"({rec['file']}, {want}): the adapter is applied to it as given")
 
 
 def run_base_of(adapter: str | None) -> str:

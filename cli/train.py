@@ -134,6 +134,7 @@ def _main(argv: list[str] | None) -> int:
     )
     from toymlx_cli.usage import UsageError, line_as_typed, parse_options
 
+    from toymlx.bundle.folder import train_command
     from toymlx.bundle.options import RunError
     from toymlx.recipes import get_recipe
     from toymlx.runner.api import check_given_types
@@ -159,10 +160,11 @@ def _main(argv: list[str] | None) -> int:
                              "empty string")
         options: dict = {}
         if config_path is not None:
-            if resume:
+            if resume:  # the command that works: the one typed, without -c FILE
                 raise ValueError(f"-c/--config {config_path}: a resumed run keeps its saved "
                                  f"configuration (only --steps and run-local options may "
-                                 f"change); give either --resume or -c")
+                                 f"change); give either --resume or -c/--config: "
+                                 f"{train_command(argv)}")
             data = read_config_file(config_path)
             run_file = is_run_config(data, config_path)
             file_recipe, options = run_config(data, config_path)

@@ -62,6 +62,7 @@ def parse_options(cls: type, argv: list[str], prog: str, default: Any = None,
 
     if line := _run_together(cls, argv, prog):
         raise UsageError(line)
+    argv = _choices_as_declared(cls, argv)
     hooked = on_parse_error(refuse) if on_parse_error else contextlib.nullcontext()
     with hooked, readable_width():
         options = tyro.cli(cls, args=argv, prog=prog, default=default, description=description)
@@ -269,15 +270,45 @@ def line_as_typed(line: str, argv: list[str], cls: type) -> str:
     return FILE_FLAG.sub(typed, said) + sep + advice
 
 
+def _field_type(cls: type, path: tuple[str, ...]) -> Any:
+    """The type of the field of `cls` at `path` (an `option_table` value, dotted where nested)."""
+    node, tp = cls, None
+    for name in path:
+        tp = typing.get_type_hints(node)[name]
+        node = tp if dataclasses.is_dataclass(tp) else node
+    return tp
+
+
+def _choices_as_declared(cls: type, argv: list[str]) -> list[str]:
+    """`argv` with a choice typed in another case as the option declares it: llama-quantize
+    takes its type names in any case and lists them in capitals (Q4_K_M), so `--dtype Q4_K_M`
+    was refused where q4_k_m is offered. Only a value that matches one choice (not None, True,
+    False: no value a choice stands for) is changed."""
+    from toymlx.bundle.options import choice_as_declared
+
+    table, out = option_table(cls), list(argv)
+    for i, token in enumerate(argv):
+        flag, eq, value = token.partition("=")
+        path = table.get(flag[2:].replace("-", "_")) if flag.startswith("--") else None
+        if path is None or not eq and i + 1 >= len(argv):
+            continue
+        value = value if eq else argv[i + 1]
+        choices = [c for c in _choices(_field_type(cls, path)) or []
+                   if c not in ("None", "True", "False")]
+        if value not in choices and (same := choice_as_declared(choices, value)) is not None:
+            if eq:
+                out[i] = f"{flag}={same}"
+            else:
+                out[i + 1] = same
+    return out
+
+
 def _flags(cls: type) -> dict[str, bool]:
     """Every option of `cls` spelled as `option_table` spells them, tyro's `no_x` of a plain
     bool included -> whether it is a flag that takes no value (a plain bool)."""
     out = {}
     for key, path in option_table(cls).items():
-        node, tp = cls, None
-        for name in path:
-            tp = typing.get_type_hints(node)[name]
-            node = tp if dataclasses.is_dataclass(tp) else node
+        tp = _field_type(cls, path)
         out[key] = tp is bool
         if tp is bool:
             group, dot, leaf = key.rpartition(".")

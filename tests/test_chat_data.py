@@ -1157,6 +1157,25 @@ def test_data_folder_without_train_jsonl_is_one_line(tmp_path):
         data_files(tmp_path / "empty")
 
 
+def test_an_image_folder_given_as_text_data_is_named_as_one(tmp_path):
+    """`toymlx-eval --model LLAMA_RUN --data.path imgs` (class folders of images) said "found
+    cat, dog", as if those were misnamed splits; it now says what the folder is and what reads
+    it, as an image file given as text is told."""
+    folder = tmp_path / "imgs"
+    for cls in ("dog", "cat"):
+        (folder / cls).mkdir(parents=True)
+        write(folder / cls, "0.PNG", "x")
+    (folder / "notes").mkdir()  # no images: not a class
+    write(folder / "notes", "a.txt", "x")
+    with pytest.raises(DataError) as e:
+        data_files(folder)
+    assert str(e.value) == (f"{folder}: data folder: expected train.jsonl (required), "
+                            "valid.jsonl and test.jsonl (optional) (mlx-lm's layout; .json, "
+                            ".csv or .tsv in place of .jsonl), found an image folder (class "
+                            "folders cat, dog): images train a classifier, toymlx-train --recipe "
+                            "vit-tiny --data.path FOLDER (a subfolder of images per class)")
+
+
 def test_data_folder_of_text_files_says_to_join_them(tmp_path):
     """A folder of notes (.txt, .md) as --data.path read only "expected train.jsonl ...,
     found a.txt, b.md": the one text file it takes, and the command that makes it, named (the

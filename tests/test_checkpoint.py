@@ -216,6 +216,22 @@ def test_a_run_still_training_without_a_checkpoint_says_so(tmp_path):
     assert str(e.value) == bare
 
 
+def test_a_run_that_stopped_before_its_first_checkpoint_gives_the_command_that_trains_it(
+        tmp_path):
+    """toymlx-eval --model RUN / toymlx-export --adapter RUN on a run that stopped before its
+    first checkpoint said "found no checkpoint" alone; a run bundle (its config.json) now gets
+    the command that starts it over, as --resume's own refusal gives it (shell-quoted)."""
+    run = tmp_path / "my runs" / "r"
+    (run / "weights").mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError) as e:
+        ck.checkpoint_file(run)
+    assert str(e.value) == (f"{run}: expected a run bundle with weights/latest, found no "
+                            "checkpoint; the run stopped before its first checkpoint: start it "
+                            "over with its saved configuration, toymlx-train --resume "
+                            f"'{run}' --from step_0")
+
+
 def test_a_folder_of_runs_given_as_one_run_names_them(tmp_path):
     """`--model runs` (the runs root, or a sweep's folder) or `--model runs/a/weights` read
     "expected a run bundle with weights/latest, found no checkpoint", as for a run that wrote
@@ -229,7 +245,7 @@ def test_a_folder_of_runs_given_as_one_run_names_them(tmp_path):
     assert str(e.value) == (f"{tmp_path}: expected a run bundle with weights/latest, found a "
                             f"folder of 2 run bundles (a, b); name one of them, e.g. "
                             f"{tmp_path / 'a'}")
-    with pytest.raises(FileNotFoundError, match="found no checkpoint$"):
+    with pytest.raises(FileNotFoundError, match="found no checkpoint; the run stopped before"):
         ck.latest_checkpoint(tmp_path / "a")
     (tmp_path / "a" / "weights").mkdir()
     with pytest.raises(FileNotFoundError) as e:  # its weights/: "found no checkpoint" too

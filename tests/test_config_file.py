@@ -141,9 +141,19 @@ def test_missing_file_and_resume_with_config(tmp_path, capsys):
                                   "(llama.cpp's -c is its context size; here -c names a config "
                                   "file: --seq-len sets a row's tokens, and generation reads the "
                                   "model's context)")
-    (tmp_path / "c.yaml").write_text("lr: 1.0\n")
-    assert main(["--resume", str(tmp_path), "-c", str(tmp_path / "c.yaml")]) == 2
-    assert "a resumed run keeps its saved configuration" in error_line(capsys)
+
+
+def test_a_config_file_given_with_resume_gives_the_command_that_works(tmp_path, capsys):
+    """`-c FILE --resume RUN` said "give either --resume or -c" and left the user to write the
+    command: the refusal now ends with it, the line as typed without -c FILE, shell-quoted as
+    the taken-folder refusal's (`train_command`)."""
+    run, path = tmp_path / "my runs" / "r", tmp_path / "c.yaml"
+    path.write_text("lr: 1.0\n")
+    assert main(["--resume", str(run), "-c", str(path), "--steps", "20"]) == 2
+    assert error_line(capsys) == (
+        f"toymlx-train: error: -c/--config {path}: a resumed run keeps its saved configuration "
+        f"(only --steps and run-local options may change); give either --resume or -c/--config: "
+        f"toymlx-train --resume '{run}' --steps 20")
 
 
 def test_a_gguf_given_as_the_config_file_is_named(tmp_path, capsys):

@@ -166,7 +166,13 @@ def test_a_cut_chat_file_and_a_cut_config_json_say_the_text_ends(tmp_path, capsy
                                        "images per class)")),
     ("cat.jpg", b"\xff\xd8\xff\xe0", ("a JPEG image: images train a classifier, toymlx-train "
                                     "--recipe vit-tiny --data.path FOLDER (a subfolder of images "
-                                    "per class)"))])
+                                    "per class)")),
+    # MNIST's t10k-images-idx3-ubyte.gz was "a gzip-compressed file: decompress it first",
+    # which leaves images; the uncompressed file was "re-save the file as UTF-8"
+    *((name, head, ("MNIST's IDX images or labels: images train a classifier, toymlx-train "
+                    "--recipe vit-tiny --data.path {folder} (the folder of the IDX files)"))
+      for name, head in (("t10k-images-idx3-ubyte.gz", b"\x1f\x8b"),
+                         ("train-labels-idx1-ubyte", b"\x00\x00\x08\x01")))])
 def test_data_files_that_are_not_text_are_named_with_what_to_do(tmp_path, capsys, name, head,
                                                                 want):
     """A dataset's Parquet or Arrow file, a .jsonl.gz, a zip: each read "not valid UTF-8 at byte
@@ -178,7 +184,7 @@ def test_data_files_that_are_not_text_are_named_with_what_to_do(tmp_path, capsys
     assert train_main(["--recipe", "from-scratch", "--data.path", str(data), "--runs-root",
                        str(tmp_path / "runs")]) == 2
     assert error_line(capsys) == (f"toymlx-train: error: {data}: expected UTF-8 text, found "
-                                  + want.format(file=data, utf8=f"{data}.utf8"))
+                                  + want.format(file=data, utf8=f"{data}.utf8", folder=tmp_path))
     assert not list(tmp_path.glob("runs/*"))
 
 

@@ -5,6 +5,7 @@ any other way against the recorded SHA-256, and say which file they used."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -152,6 +153,31 @@ def test_export_without_base_writes_the_same_bytes(trained, tmp_path, capsys, mo
     assert f"FROM {trained / 'where' / 'smol.gguf'}\n" in (tmp_path / "m" / "Modelfile").read_text()
 
 
+def test_export_onto_another_base_of_the_same_shape_says_so_and_writes_it(trained, tmp_path,
+                                                                          capsys):
+    """`toymlx-export --adapter RUN --base OTHER --fuse`, OTHER a model of the same shape with
+    other weights (a slip, or another quantization on purpose): fused without a word. It is
+    still written, as llama.cpp applies an adapter to any base it fits, with a note naming
+    both files; the run's own base gets none."""
+    run, other = trained / "where" / "runs" / "rel", trained / "elsewhere" / "smol.gguf"
+    recorded = trained / "where" / "smol.gguf"
+    export = _cli("export")
+    capsys.readouterr()
+    assert export(["--adapter", str(run), "--base", str(other), "--fuse", "--no-held-out",
+                   "--out", str(tmp_path / "o.gguf")]) == 0
+    note = capsys.readouterr().err.splitlines()[0]
+    digest = hashlib.sha256
+    assert note == (f"toymlx-export: note: --base {other} (sha256 "
+                    f"{digest(other.read_bytes()).hexdigest()[:12]}) is not the base the run "
+                    f"{run} trained on ({recorded}, sha256 "
+                    f"{digest(recorded.read_bytes()).hexdigest()[:12]}): the adapter is applied "
+                    "to it as given")
+    assert (tmp_path / "o.gguf").is_file()
+    assert export(["--adapter", str(run), "--base", str(recorded), "--fuse", "--no-held-out",
+                   "--out", str(tmp_path / "r.gguf")]) == 0
+    assert "note:" not in capsys.readouterr().err
+
+
 def test_resume_from_another_folder_trains_on_the_recorded_files(trained, tmp_path, capsys,
                                                                 monkeypatch):
     where = trained / "where"
@@ -224,6 +250,40 @@ def test_a_lora_adapter_given_as_the_base_is_one_short_line(trained, tmp_path, c
                              "run's checkpoint); pass it as --adapter, with its base model as "
                              "--base (toymlx-generate: --model)")
         assert len(line) < 250 + len(str(ckpt))
+
+
+def test_an_adapter_given_as_the_base_beside_adapter_names_base_and_its_model(trained, tmp_path,
+                                                                             capsys):
+    """`toymlx-export --base ADAPTER --adapter ADAPTER --fuse` said "tensor ...lora_a: expected
+    a projection weight of the base ADAPTER, found no such weight": --base is named, with the
+    base the adapter records; nothing is written."""
+    ckpt = trained / "where" / "runs" / "rel" / "weights" / "adapter_step_2.gguf"
+    out = tmp_path / "fused.gguf"
+    assert _cli("export")(["--base", str(ckpt), "--adapter", str(ckpt), "--fuse",
+                           "--no-held-out", "--out", str(out)]) == 2
+    assert error_line(capsys, "toymlx-export") == (
+        f"toymlx-export: error: {ckpt}: --base: expected a model GGUF, found a LoRA adapter (a "
+        "LoRA run's checkpoint), which holds no tokenizer or base weights; pass its base model "
+        "(smol.gguf)")
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_an_adapter_outside_its_run_given_to_eval_names_what_eval_takes(trained, tmp_path,
+                                                                       capsys):
+    """`toymlx-eval --model adapter.gguf` (copied out of its run) said "pass it as --adapter,
+    with its base model as --base", flags toymlx-eval does not have; it now gives the run
+    folder, or the export that fuses it with the base it records (`toy.base`)."""
+    import shutil
+
+    ckpt = tmp_path / "my adapter.gguf"
+    shutil.copy(trained / "where" / "runs" / "rel" / "weights" / "adapter_step_2.gguf", ckpt)
+    assert _cli("eval")(["--model", str(ckpt)]) == 2
+    assert error_line(capsys, "toymlx-eval") == (
+        f"toymlx-eval: error: {ckpt}: --model: expected a model GGUF or a run folder, found a "
+        "LoRA adapter outside its run (no tokenizer or base weights); give its run folder "
+        "(--model runs/RUN), or fuse it with its base first: toymlx-export --adapter "
+        f"'{ckpt}' --base smol.gguf --fuse --out fused.gguf, then toymlx-eval --model "
+        "fused.gguf")
 
 
 def test_moved_data_is_taken_only_with_its_recorded_fingerprint(trained, tmp_path, capsys,

@@ -618,6 +618,29 @@ def test_an_empty_prompt_is_still_taken():
     assert parse_options(Args, ["--model", "m", "--prompt", ""], "toymlx-generate").prompt == ""
 
 
+def test_a_type_name_in_llama_quantize_s_capitals_is_the_offered_type(tmp_path):
+    """`toymlx-export --dtype Q4_K_M` (llama-quantize lists its types in capitals and takes any
+    case) was refused, "expected one of ..., q4_k_m, ..., got 'Q4_K_M'"; on the command line as
+    `--dtype=IQ4_XS`, and in a -c file, it is the type offered. A name no type has is still
+    refused, and `none` is not the unset default."""
+    from toymlx_cli.config_file import file_defaults
+    from toymlx_cli.export import Args
+    from toymlx_cli.usage import UsageError, parse_options
+
+    def dtype(*argv: str) -> str | None:
+        return parse_options(Args, ["--out", "x.gguf", *argv], "toymlx-export").dtype
+
+    assert (dtype("--dtype", "Q4_K_M"), dtype("--dtype=IQ4_XS"), dtype("--dtype", "F16"),
+            dtype("--dtype", "q8_0")) == ("q4_k_m", "iq4_xs", "f16", "q8_0")
+    for bad in ("Q4_K_X", "none"):
+        with pytest.raises(UsageError, match=f"^--dtype: expected one of f32, .*, got '{bad}'$"):
+            dtype("--dtype", bad)
+    path = tmp_path / "x.yaml"
+    path.write_text("dtype: Q5_K_M\n")
+    defaults, _ = file_defaults(Args, ["-c", str(path), "--out", "x.gguf"], "toymlx-export")
+    assert defaults.dtype == "q5_k_m"
+
+
 VIT = "toymlx-train --recipe vit-tiny"
 
 

@@ -578,6 +578,13 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, str | None]:
         live = ("" if owner is None else
                 f"; the run is still training (process {owner.get('pid', '?')}) and has "
                 "written none yet: its first comes at --checkpoint-every or when it stops")
+        if owner is None and (run_dir / "config.json").is_file():
+            from toymlx.bundle.folder import train_command  # folder.py imports this module
+
+            # a run that stopped before its first checkpoint: what gives it one
+            live = ("; the run stopped before its first checkpoint: start it over with its "
+                    "saved configuration, "
+                    + train_command(["--resume", str(run_dir), "--from", "step_0"]))
         raise FileNotFoundError(f"{run_dir}: expected a run bundle with weights/latest, "
                                 f"found no checkpoint{live}")
     step = newest_intact(weights)

@@ -8,7 +8,7 @@ import json
 import time
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -178,6 +178,16 @@ def type_mismatch(t: Any, v: Any) -> str | None:
     return None
 
 
+def choice_as_declared(choices: Sequence[Any], value: Any) -> Any:
+    """The one string of `choices` that `value` spells in another case (Q4_K_M for q4_k_m:
+    llama-quantize takes its type names in any case and lists them in capitals), else None.
+    `value` itself where it is one of them."""
+    if value in choices or not isinstance(value, str):
+        return value if value in choices else None
+    same = [c for c in choices if isinstance(c, str) and c.casefold() == value.casefold()]
+    return same[0] if len(same) == 1 else None
+
+
 def _coerce(t: Any, v: Any, key: str, source: str, complete: bool = True) -> Any:
     """`v` as the annotation `t` wants it; _Mismatch (what was expected) if it cannot be."""
     origin, args = typing.get_origin(t), typing.get_args(t)
@@ -196,6 +206,8 @@ def _coerce(t: Any, v: Any, key: str, source: str, complete: bool = True) -> Any
     if origin is Literal:
         if any(v == a and type(v) is type(a) for a in args):
             return v
+        if isinstance(v, str) and (declared := choice_as_declared(args, v)) is not None:
+            return declared
         raise _Mismatch("one of " + ", ".join(json.dumps(a) for a in args))
     if dataclasses.is_dataclass(t):
         if isinstance(v, dict):

@@ -65,7 +65,7 @@ from toymlx.backend.files import (
 )
 from toymlx.backend.progress import pass_bar
 from toymlx.data.chat_template import REASONING_FIELDS, system_in_user, system_refused
-from toymlx.data.text import DataError, open_text
+from toymlx.data.text import IMAGES_TRAIN, DataError, open_text
 from toymlx.data.vocab import TokenizerError
 
 __all__ = [
@@ -868,6 +868,15 @@ def data_files(path: str | Path) -> DataFiles:
     found = sorted(p.name for p in path.iterdir())
     splits = {split: _split_file(path, split) for split in ("train", "valid", "test")}
     if splits["train"] is None:
+        from toymlx.data.image_folder import IMAGE_EXTENSIONS
+
+        # an ImageFolder (`--data.path imgs` for a text model) listed as "found cat, dog"
+        classes = [d.name for d in sorted(path.iterdir()) if d.is_dir()
+                   and not d.name.startswith(".") and any(
+                       f.suffix.lower() in IMAGE_EXTENSIONS for f in d.iterdir())]
+        if classes:
+            raise DataError(f"{path}: data folder: expected {FOLDER_FILES}, found an image "
+                            f"folder (class folders {shortlist(classes, 6)}): {IMAGES_TRAIN}")
         texts = sorted({Path(n).suffix for n in found  # as written: a shell glob is exact
                         if Path(n).suffix.lower() in TEXT_SUFFIXES and not n.startswith(".")})
         globs = " ".join(f"{shlex.quote(str(path))}/*{suffix}" for suffix in texts)

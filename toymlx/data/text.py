@@ -16,6 +16,7 @@ from __future__ import annotations
 import codecs
 import math
 import os
+import re
 import shlex
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -83,6 +84,12 @@ def _shell_names(path: Path) -> dict[str, str]:
             "utf8": shlex.quote(f"{path}.utf8")}
 
 
+IMAGES_TRAIN = ("images train a classifier, toymlx-train --recipe vit-tiny --data.path FOLDER "
+                "(a subfolder of images per class)")
+"""What to do with images given where text is read (an image file, a folder of class folders)."""
+IDX_NAME = re.compile(r"-idx[13]-ubyte(\.gz)?$")
+"""The names of MNIST's IDX files (images idx3, labels idx1), as toymlx's image data reads them."""
+
 NOT_TEXT = {
     b"GGUF": ("a GGUF model file: --data.path takes text (a model is --base, --donor, "
               "--tokenizer or toymlx-eval's --model)"),
@@ -98,9 +105,7 @@ NOT_TEXT = {
     b"\x1f\x8b": "a gzip-compressed file: decompress it first (gunzip {sh})",
     b"PK\x03\x04": "a zip archive: extract its files first (unzip {sh})",
     # a PNG or JPEG (the kinds not UTF-8 at their first byte) as text: "re-save it as UTF-8"
-    **{magic: (f"a {kind} image: images train a classifier, toymlx-train --recipe vit-tiny "
-               "--data.path FOLDER (a subfolder of images per class)")
-       for magic, kind in IMAGE_MAGIC},
+    **{magic: f"a {kind} image: {IMAGES_TRAIN}" for magic, kind in IMAGE_MAGIC},
 }
 """Files people give as data that are not text, by their first bytes (read where the text is
 not UTF-8): what each is and what to do instead of "re-save the file as UTF-8" (`_shell_names`:
@@ -151,8 +156,14 @@ def _pieces(path: Path, f: BinaryIO, block: int) -> Iterator[str]:
             try:
                 text = codecs.utf_8_decode(memoryview(data)[:end], "strict", True)[0]
             except UnicodeDecodeError as e:
-                found = offset == 0 and next((what for magic, what in NOT_TEXT.items()
-                                              if data.startswith(magic)), None)
+                # MNIST's IDX files (t10k-images-idx3-ubyte.gz) by their name: a gzip's
+                # "decompress it first" would leave them as far from text
+                found = ("MNIST's IDX images or labels: images train a classifier, "
+                         "toymlx-train --recipe vit-tiny --data.path "
+                         f"{shlex.quote(str(path.parent))} (the folder of the IDX files)"
+                         if IDX_NAME.search(path.name) else
+                         offset == 0 and next((what for magic, what in NOT_TEXT.items()
+                                               if data.startswith(magic)), None))
                 if found:  # advice for the file it is, not "re-save it as UTF-8"
                     raise DataError(f"{path}: expected UTF-8 text, found "
                                     f"{found.format(**_shell_names(path))}") from None
