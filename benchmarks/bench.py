@@ -77,7 +77,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--user-paths", action=argparse.BooleanOptionalAction, default=True,
                    help="CPU suite: also time what users run (toymlx-train on the real "
                         "SmolLM2-135M at the LoRA shape, toymlx.train in a process that used "
-                        "mlx first, toymlx-generate beside llama.cpp); see user_paths.py")
+                        "mlx first, toymlx-generate beside llama.cpp; default: on, "
+                        "--no-user-paths skips them); see user_paths.py")
     p.add_argument("--warm-jit", action="store_true",
                    help="CPU suite: keep mx.compile's kernel cache (first step without the g++ "
                         "build)")

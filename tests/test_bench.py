@@ -162,6 +162,37 @@ def test_flags_that_do_not_fit_fail_in_one_line(bench, capsys, flags, message):
     assert err.startswith(f"bench: {message}") and err.count("\n") == 1, err
 
 
+def _option_help(monkeypatch, capsys, name: str) -> dict[str, str]:
+    """The help text of each option benchmarks/<name>.py --help lists, by its flags."""
+    monkeypatch.setenv("COLUMNS", "1000")  # one line an option, unless its flags are long
+    with pytest.raises(SystemExit):
+        _benchmark_module(monkeypatch, name).main(["--help"])
+    helps: dict[str, str] = {}
+    flags = ""
+    for line in capsys.readouterr().out.split("options:\n")[1].splitlines():
+        if line.startswith("  -"):  # an option: its flags, then its help where they leave room
+            flags, _, text = line.strip().partition("  ")
+            helps[flags] = text.strip()
+        elif flags:  # its help, under long flags
+            helps[flags] = (helps[flags] + " " + line.strip()).strip()
+    return helps
+
+
+def test_bench_help_says_the_user_paths_run_unless_turned_off(monkeypatch, capsys):
+    """--user-paths, on by default and minutes long, did not say it was on."""
+    text = _option_help(monkeypatch, capsys, "bench")["--user-paths, --no-user-paths"]
+    assert "default: on, --no-user-paths skips them" in text, text
+
+
+def test_decode_peers_help_describes_every_option(monkeypatch, capsys):
+    """--tokens and --rounds were listed without a word."""
+    helps = _option_help(monkeypatch, capsys, "decode_peers")
+    assert helps["--tokens N"] == "the most tokens each row decodes after the prompt (default: 128)"
+    assert helps["--rounds N"] == ("timed rounds, the rows' order reversed every other round "
+                                   "(default: 3)")
+    assert all(helps.values()), helps
+
+
 @pytest.mark.skipif(mx.is_available(mx.gpu), reason="the message of a machine without a GPU")
 def test_device_gpu_without_one_says_so(bench, capsys):
     assert bench.main(["--device", "gpu"]) == 2
