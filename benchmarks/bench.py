@@ -15,6 +15,7 @@ PyTorch rows need a CUDA build of PyTorch. The modules beside this one:
     mlx_lm_step.py  the mlx-lm peer
     rounds.py       interleaved timing
     procs.py        child processes: each side's CPU step, peak RSS, GGUF I/O, data parallel
+    scratch.py      temporary folders, removed however a run ends (SIGTERM too)
     cpu_suite.py    the CPU suite (float32, PyTorch CPU in a child process) and its table
     gpu_suite.py    the GPU suite (dtypes, torch.compile, MFU, peak memory) and its table
 
