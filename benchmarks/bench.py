@@ -15,6 +15,7 @@ PyTorch rows need a CUDA build of PyTorch. The modules beside this one:
     mlx_lm_step.py  the mlx-lm peer
     rounds.py       interleaved timing
     procs.py        child processes: each side's CPU step, peak RSS, GGUF I/O, data parallel
+    scratch.py      temporary folders, removed however a run ends (SIGTERM too)
     cpu_suite.py    the CPU suite (float32, PyTorch CPU in a child process) and its table
     gpu_suite.py    the GPU suite (dtypes, torch.compile, MFU, peak memory) and its table
 
@@ -77,7 +78,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--user-paths", action=argparse.BooleanOptionalAction, default=True,
                    help="CPU suite: also time what users run (toymlx-train on the real "
                         "SmolLM2-135M at the LoRA shape, toymlx.train in a process that used "
-                        "mlx first, toymlx-generate beside llama.cpp); see user_paths.py")
+                        "mlx first, toymlx-generate beside llama.cpp; default: on, "
+                        "--no-user-paths skips them); see user_paths.py")
     p.add_argument("--warm-jit", action="store_true",
                    help="CPU suite: keep mx.compile's kernel cache (first step without the g++ "
                         "build)")

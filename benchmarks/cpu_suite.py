@@ -15,7 +15,8 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from procs import (
     write_step_inputs,
 )
 from rounds import Variant, first_steps, median_ratios, run_rounds
+from scratch import scratch_folder
 from toymlx_step import cpu_ops, recipe_inputs, reference_ops
 from user_paths import format_user_paths, host_info, host_line, run_user_paths
 from workloads import Workload, cpu_workloads, find, train_flops
@@ -163,6 +165,35 @@ def probe_memory(workload: str, variant: str, steps: int = 3) -> dict[str, float
             "mlx_peak_mb": mx.get_peak_memory() / MB}
 
 
+@contextmanager
+def cold_kernels(tmp: Path, cold: bool) -> Iterator[float | None]:
+    """With `cold`, MLX's kernels built afresh in `tmp` while the block runs (TMPDIR and
+    TOYMLX_KERNEL_CACHE there, put back after); yields the seconds its precompiled header took
+    to build (None without `cold`)."""
+    if not cold:
+        yield None
+        return
+    # mx.compile caches its g++-built kernels under $TMPDIR/mlx, which toymlx's set-up links
+    # to its kernel folder; a fresh one of each makes the first step pay for the build, as a
+    # first run on a new machine does, with the precompiled header toymlx's set-up puts in
+    # that folder (timed apart: once a machine)
+    before = {k: os.environ.get(k) for k in ("TMPDIR", "TOYMLX_KERNEL_CACHE")}
+    os.environ["TMPDIR"] = str(tmp)
+    os.environ["TOYMLX_KERNEL_CACHE"] = str(tmp / "kernels")
+    tempfile.tempdir = None
+    try:
+        t = time.perf_counter()
+        kernel_pch.install(kernel_cache_dir() / "cpu")
+        yield time.perf_counter() - t
+    finally:  # not left pointing at a folder that is about to go
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        tempfile.tempdir = None
+
+
 def run_all(quick: bool = False, only: list[str] | None = None, rounds: int | None = None,
             warmup: int = 1, which: tuple[str, ...] = DEFAULT_IMPLS,
             memory: bool | None = None, gguf: bool | None = None, cold_jit: bool = True,
@@ -170,75 +201,67 @@ def run_all(quick: bool = False, only: list[str] | None = None, rounds: int | No
             log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every selected workload, then (optionally) child-process peak RSS and GGUF I/O, and the
     paths users run (`user_paths`: toymlx-train, toymlx.train after mlx, generation)."""
-    tmp = Path(tempfile.mkdtemp(prefix="toymlx-bench-"))
-    pch_s = None
-    if cold_jit:
-        # mx.compile caches its g++-built kernels under $TMPDIR/mlx, which toymlx's set-up links
-        # to its kernel folder; a fresh one of each makes the first step pay for the build, as a
-        # first run on a new machine does, with the precompiled header toymlx's set-up puts in
-        # that folder (timed apart: once a machine)
-        os.environ["TMPDIR"] = str(tmp)
-        os.environ["TOYMLX_KERNEL_CACHE"] = str(tmp / "kernels")
-        tempfile.tempdir = None
-        t = time.perf_counter()
-        kernel_pch.install(kernel_cache_dir() / "cpu")
-        pch_s = time.perf_counter() - t
-    chosen = [w for w in cpu_workloads() if (w.quick or not quick) and (not only or w.name in only)]
-    info: dict[str, Any] = {"suite": "cpu", "host": host_info(), "backend": backend_info(),
-                            "quick": quick,
-                            "toymlx_ops": {"toymlx": cpu_ops().describe(), "toymlx-ref":
-                                           reference_ops().describe()},
-                            "cold_jit": cold_jit, "kernel_pch_build_s": pch_s,
-                            "torch_omp_wait_policy": child_env("torch")["OMP_WAIT_POLICY"],
-                            "numpy": np.__version__, "workloads": []}
-    try:
-        import torch  # optional (the bench extra); its version and threads for the record
-
-        info["torch"] = torch.__version__
-        info["torch_threads"] = torch.get_num_threads()
-    except ImportError:
-        which = tuple(x for x in which if not x.startswith("torch"))
-    try:
-        import mlx_lm  # optional (the bench extra)
-
-        info["mlx_lm"] = mlx_lm.__version__
-    except ImportError:
-        which = tuple(x for x in which if x != "mlx-lm")
-    t_all = time.perf_counter()
-    for w in chosen:
-        n = rounds or (4 if quick or (w.llama is not None and w.llama.d_model >= 960) else 6)
-        log(f"{w.name}: {', '.join(which)} x {n} rounds")
+    # the folder and all made in it (runs, the GGUF, the cold kernels, tempfile's folders with
+    # TMPDIR there) go when the suite ends, also by Ctrl-C or SIGTERM
+    with scratch_folder("toymlx-bench-") as tmp, cold_kernels(tmp, cold_jit) as pch_s:
+        chosen = [w for w in cpu_workloads()
+                  if (w.quick or not quick) and (not only or w.name in only)]
+        info: dict[str, Any] = {"suite": "cpu", "host": host_info(), "backend": backend_info(),
+                                "quick": quick,
+                                "toymlx_ops": {"toymlx": cpu_ops().describe(), "toymlx-ref":
+                                               reference_ops().describe()},
+                                "cold_jit": cold_jit, "kernel_pch_build_s": pch_s,
+                                "torch_omp_wait_policy": child_env("torch")["OMP_WAIT_POLICY"],
+                                "numpy": np.__version__, "workloads": []}
         try:
-            res = run_workload(w, n, warmup, which, log)
-        except Exception as e:  # noqa: BLE001 -- one workload that fails (a child out of
-            # memory, a compiler error) must not cost the others' figures; the table shows it
-            res = {"workload": w.name, "error": f"{type(e).__name__}: {str(e).strip()[-500:]}"}
-            log(f"  {w.name} failed: {res['error']}")
-        mx.clear_cache()
-        info["workloads"].append(res)
-        if partial_json:
-            Path(partial_json).write_text(json.dumps(info, indent=1, default=float))
-    if memory if memory is not None else not quick:
-        for res in info["workloads"]:
-            for name in res.get("variants", {}):
-                log(f"  peak RSS: {res['workload']} {name}")
-                probe = run_child(f"import json; from cpu_suite import probe_memory; "
-                                  f"print(json.dumps(probe_memory({res['workload']!r}, "
-                                  f"{name!r})))")
-                res["variants"][name].update(
-                    rss_peak_mb=probe["rss_peak_mb"], rss_before_steps_mb=probe["rss_before_steps_mb"])
-    for w in chosen if dp > 1 else []:
-        log(f"{w.name}: {dp} data-parallel ranks against one process")
-        info.setdefault("data_parallel", []).append(run_dp(w.name, dp, log=log))
-    if gguf if gguf is not None else not quick:
-        log("GGUF write + load at the SmolLM2-360M size")
-        info["gguf_360m"] = gguf_io(tmp)
-    if user_paths:
-        lora = next((r for r in info["workloads"] if r["workload"] == "lora-q-135m"), None)
-        bench_s = lora.get("variants", {}).get("toymlx", {}).get("median_s") if lora else None
-        info["user_paths"] = run_user_paths(bench_s, log)
-    info["total_s"] = time.perf_counter() - t_all
-    return info
+            import torch  # optional (the bench extra); its version and threads for the record
+
+            info["torch"] = torch.__version__
+            info["torch_threads"] = torch.get_num_threads()
+        except ImportError:
+            which = tuple(x for x in which if not x.startswith("torch"))
+        try:
+            import mlx_lm  # optional (the bench extra)
+
+            info["mlx_lm"] = mlx_lm.__version__
+        except ImportError:
+            which = tuple(x for x in which if x != "mlx-lm")
+        t_all = time.perf_counter()
+        for w in chosen:
+            n = rounds or (4 if quick or (w.llama is not None and w.llama.d_model >= 960) else 6)
+            log(f"{w.name}: {', '.join(which)} x {n} rounds")
+            try:
+                res = run_workload(w, n, warmup, which, log)
+            except Exception as e:  # noqa: BLE001 -- one workload that fails (a child out of
+                # memory, a compiler error) must not cost the others' figures; the table shows it
+                res = {"workload": w.name, "error": f"{type(e).__name__}: {str(e).strip()[-500:]}"}
+                log(f"  {w.name} failed: {res['error']}")
+            mx.clear_cache()
+            info["workloads"].append(res)
+            if partial_json:
+                Path(partial_json).write_text(json.dumps(info, indent=1, default=float))
+        if memory if memory is not None else not quick:
+            for res in info["workloads"]:
+                for name in res.get("variants", {}):
+                    log(f"  peak RSS: {res['workload']} {name}")
+                    probe = run_child(f"import json; from cpu_suite import probe_memory; "
+                                      f"print(json.dumps(probe_memory({res['workload']!r}, "
+                                      f"{name!r})))")
+                    res["variants"][name].update(
+                        rss_peak_mb=probe["rss_peak_mb"],
+                        rss_before_steps_mb=probe["rss_before_steps_mb"])
+        for w in chosen if dp > 1 else []:
+            log(f"{w.name}: {dp} data-parallel ranks against one process")
+            info.setdefault("data_parallel", []).append(run_dp(w.name, dp, log=log))
+        if gguf if gguf is not None else not quick:
+            log("GGUF write + load at the SmolLM2-360M size")
+            info["gguf_360m"] = gguf_io(tmp)
+        if user_paths:
+            lora = next((r for r in info["workloads"] if r["workload"] == "lora-q-135m"), None)
+            bench_s = lora.get("variants", {}).get("toymlx", {}).get("median_s") if lora else None
+            info["user_paths"] = run_user_paths(bench_s, log)
+        info["total_s"] = time.perf_counter() - t_all
+        return info
 
 
 def format_table(info: dict[str, Any]) -> str:

@@ -90,8 +90,11 @@ def llamacpp_row(gguf: Path, ids: list[int], n: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=128, metavar="N",
+                   help="the most tokens each row decodes after the prompt (default: 128)")
+    p.add_argument("--rounds", type=int, default=3, metavar="N",
+                   help="timed rounds, the rows' order reversed every other round "
+                        "(default: 3)")
     p.add_argument("--mlx-lm-4bit", action="store_true", help="add mlx-lm's 4-bit row (slow "
                    "on a CPU: MLX's quantized CPU matmul)")
     p.add_argument("--mlx-lm-cache", type=Path, default=CACHE,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import gc
 import json
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ import numpy as np
 from cpu_suite import num
 from procs import MB
 from rounds import Variant, first_steps, median_ratios, run_rounds
+from scratch import scratch_folder
 from toymlx_step import ToymlxVariant, build_task, gpu_ops, recipe_inputs, weights_np
 from workloads import Workload, gpu_workloads, make_batch, train_flops
 
@@ -204,8 +204,8 @@ def kernel_profile(step: Callable[[], None], top: int = 15) -> dict[str, Any]:
             step()
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
-        with tempfile.TemporaryDirectory() as tmp:
-            trace = Path(tmp) / "trace.json"
+        with scratch_folder("toymlx-profile-") as tmp:
+            trace = tmp / "trace.json"
             prof.export_chrome_trace(str(trace))
             events = json.loads(trace.read_text()).get("traceEvents", [])
     except Exception as e:  # noqa: BLE001 -- a profile that fails must not cost the figures

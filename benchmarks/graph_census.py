@@ -25,16 +25,15 @@ import toymlx  # noqa: F401  (first: it loads OpenBLAS, which must precede mlx.c
 # isort: split
 import argparse
 import re
-import tempfile
 from collections import Counter
 from dataclasses import replace
-from pathlib import Path
 
 import mlx.core as mx
 from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.tuner.trainer import default_loss
 from mlx_lm_step import MlxLmVariant
+from scratch import scratch_folder
 from toymlx_step import build_task, gpu_ops, recipe_inputs, weights_np
 from workloads import Workload, find, make_batch
 
@@ -49,8 +48,8 @@ VIEWS = frozenset({"Reshape", "Broadcast", "Transpose", "Slice", "Squeeze", "Exp
 
 def primitives(arrays: list[mx.array]) -> Counter:
     """How many times each primitive occurs in the graph that computes `arrays`."""
-    with tempfile.TemporaryDirectory() as tmp:
-        dot = Path(tmp) / "graph.dot"
+    with scratch_folder("toymlx-census-") as tmp:
+        dot = tmp / "graph.dot"
         mx.export_to_dot(str(dot), *arrays)
         return Counter(re.findall(r'label ="([^"]+)"', dot.read_text()))
 

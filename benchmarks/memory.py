@@ -33,7 +33,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from scratch import scratch_folder
 from user_paths import host_info, smollm_gguf
 
 
@@ -191,9 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     host = host_info()
     print(json.dumps({"host": host}), flush=True)
     results = []
-    with tempfile.TemporaryDirectory(prefix="toymlx-memory-") as tmp:
+    with scratch_folder("toymlx-memory-") as tmp:
         for i, name in enumerate(list(args.only) * args.repeat):
-            rec = run_row(ROWS[name], Path(tmp) / str(i))
+            rec = run_row(ROWS[name], tmp / str(i))
             print(json.dumps(rec), flush=True)
             results.append(rec)
     by: dict[str, dict[str, Any]] = {}  # repeats: the median step time, the highest peak

@@ -45,7 +45,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -187,6 +186,7 @@ def row_child(shape: str, gguf: Path, model_dir: Path, iters: int) -> dict[str, 
     from mlx_lm.tuner.utils import linear_to_lora_layers
     from mlx_lm.utils import load_model
     from mlx_lm_step import lora_keys
+    from scratch import scratch_folder
 
     np.random.seed(SEED)  # as mlx_lm lora's run()
     t0 = time.perf_counter()
@@ -212,11 +212,11 @@ def row_child(shape: str, gguf: Path, model_dir: Path, iters: int) -> dict[str, 
             self.reports.append(info)
 
     times = Times()
-    with tempfile.TemporaryDirectory(prefix="mlx-lm-qlora-") as tmp:
+    with scratch_folder("mlx-lm-qlora-") as tmp:
         args = trainer.TrainingArgs(batch_size=BATCH, iters=iters, steps_per_report=1,
                                     steps_per_eval=iters + 1, steps_per_save=iters + 1,
                                     max_seq_length=max_seq,
-                                    adapter_file=str(Path(tmp) / "adapters.safetensors"))
+                                    adapter_file=str(tmp / "adapters.safetensors"))
         trainer.train(model=model, optimizer=optim.Adam(learning_rate=LR), args=args,
                       train_dataset=CacheDataset(data), val_dataset=None,
                       iterate_batches=batches, training_callback=times)

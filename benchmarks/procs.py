@@ -17,7 +17,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -27,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from rounds import Variant
+from scratch import scratch_folder
 from toymlx_step import ToymlxVariant, build_task, cpu_ops, recipe_inputs, reference_ops, weights_np
 from workloads import Workload, find, make_batch
 
@@ -332,14 +332,15 @@ def run_dp(workload: str, ranks: int = 2, rounds: int = 3, steps: int = 3,
            log: Callable[[str], None] = print) -> dict[str, Any]:
     """One process (OpenBLAS on every core) against `ranks` ring ranks over loopback with one
     BLAS thread each, alternating launches; per-step medians and the ratio dp / single."""
-    folder = Path(tempfile.mkdtemp(prefix="toymlx-dp-"))
-    script = folder / "worker.py"  # a file: mlx.launch does not carry `-c` code intact
-    script.write_text(child_code(
-        "from procs import dp_worker\nfrom toymlx.runner.launch import rank_status\n\nwith rank_status() as status:\n"
-        "    dp_worker(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])\n"
-        "    status.code = 0\n"))
     res: dict[str, Any] = {"workload": workload, "ranks": ranks, "single": [], "dp": []}
-    with recipe_inputs(find(workload)) as inputs:  # written once, read by every launch
+    # the recipe's inputs written once, read by every launch
+    with scratch_folder("toymlx-dp-") as folder, recipe_inputs(find(workload)) as inputs:
+        script = folder / "worker.py"  # a file: mlx.launch does not carry `-c` code intact
+        script.write_text(child_code(
+            "from procs import dp_worker\nfrom toymlx.runner.launch import rank_status\n\n"
+            "with rank_status() as status:\n"
+            "    dp_worker(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])\n"
+            "    status.code = 0\n"))
         for r in range(rounds):
             for kind in (("single", "dp") if r % 2 == 0 else ("dp", "single")):
                 out = folder / f"{kind}{r}"

@@ -16,7 +16,6 @@ evaluation under the step's BLAS threads). The peers start from `weights_np(task
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import fields, replace
@@ -28,6 +27,7 @@ import numpy as np
 from mlx import nn
 from mlx.utils import tree_flatten
 from rounds import Variant
+from scratch import scratch_folder
 from workloads import Workload
 
 from toymlx.data.vocab import byte_metadata
@@ -72,8 +72,7 @@ def recipe_inputs(w: Workload, seed: int = 0) -> Iterator[Path]:
     folder is removed afterwards): the lora recipe's base GGUF (random init at the workload's
     shape, seeded, float32, toymlx's byte tokenizer), the vit-tiny recipe's images (an .npz of
     2 x batch random images at the workload's size and channels, labels spanning its classes)."""
-    with tempfile.TemporaryDirectory(prefix="toymlx-bench-inputs-") as tmp:
-        folder = Path(tmp)
+    with scratch_folder("toymlx-bench-inputs-") as folder:
         if recipe_of(w) == "lora":
             mx.random.seed(seed)
             write_llama(folder / BASE_GGUF, Llama(w.llama), byte_metadata(),

@@ -30,11 +30,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from scratch import scratch_folder
 from user_paths import REPO, host_info, host_line, smollm_gguf
 
 POLL_S = 0.05
@@ -88,8 +88,8 @@ class Watch:
 
 def run(data: Path, steps: int, cold: bool, log=print) -> dict[str, Any]:
     """The command in a throw-away folder (its run, and with `cold` its kernel cache)."""
-    with tempfile.TemporaryDirectory(prefix="toymlx-unpacked-") as tmp:
-        return _run(Path(tmp), data, steps, cold, log)
+    with scratch_folder("toymlx-unpacked-") as tmp:
+        return _run(tmp, data, steps, cold, log)
 
 
 def _run(root: Path, data: Path, steps: int, cold: bool, log) -> dict[str, Any]:

@@ -25,11 +25,12 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import textwrap
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from scratch import scratch_folder
 
 from toymlx.backend.device import backend_info, blas_summary
 from toymlx.bundle.events import read_events, run_start
@@ -106,33 +107,33 @@ def train_command(gguf: Path, steps: int = 20) -> dict[str, Any]:
     the median of steps 6-20 (issue 46 holds it to <= 1.15x the benchmark's LoRA step)."""
     from toymlx.runner.api import option_flags
 
-    root = Path(tempfile.mkdtemp(prefix="toymlx-bench-cmd-"))
-    exe = Path(sys.executable).with_name("toymlx-train")
-    cmd = [str(exe) if exe.exists() else "toymlx-train", "--recipe", "lora",
-           *option_flags(_lora_options(gguf, steps, root, "command"))]
-    p = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if p.returncode != 0:
-        raise RuntimeError(f"toymlx-train failed ({p.returncode}): {p.stderr.strip()[-1000:]}")
-    return {"command": " ".join(cmd[:3]) + " ...", **_steps(root / "command", first_timed=6)}
+    with scratch_folder("toymlx-bench-cmd-") as root:
+        exe = Path(sys.executable).with_name("toymlx-train")
+        cmd = [str(exe) if exe.exists() else "toymlx-train", "--recipe", "lora",
+               *option_flags(_lora_options(gguf, steps, root, "command"))]
+        p = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if p.returncode != 0:
+            raise RuntimeError(f"toymlx-train failed ({p.returncode}): {p.stderr.strip()[-1000:]}")
+        return {"command": " ".join(cmd[:3]) + " ...", **_steps(root / "command", first_timed=6)}
 
 
 def train_entry_after_mlx(gguf: Path, steps: int = 6) -> dict[str, Any]:
     """The same run through `toymlx.train`, in a process that used mlx and mlx_lm first."""
-    root = Path(tempfile.mkdtemp(prefix="toymlx-bench-entry-"))
-    opts = _lora_options(gguf, steps, root, "entry")
-    script = textwrap.dedent(f"""
-        import json
-        import mlx.core as mx
-        import mlx_lm  # noqa: F401
-        mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))
-        import toymlx
-        toymlx.train("lora", echo=False, **json.loads({json.dumps(json.dumps(opts))}))
-    """)
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                       check=False)
-    if p.returncode != 0:
-        raise RuntimeError(f"toymlx.train failed ({p.returncode}): {p.stderr.strip()[-1000:]}")
-    return _steps(root / "entry")
+    with scratch_folder("toymlx-bench-entry-") as root:
+        opts = _lora_options(gguf, steps, root, "entry")
+        script = textwrap.dedent(f"""
+            import json
+            import mlx.core as mx
+            import mlx_lm  # noqa: F401
+            mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))
+            import toymlx
+            toymlx.train("lora", echo=False, **json.loads({json.dumps(json.dumps(opts))}))
+        """)
+        p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           check=False)
+        if p.returncode != 0:
+            raise RuntimeError(f"toymlx.train failed ({p.returncode}): {p.stderr.strip()[-1000:]}")
+        return _steps(root / "entry")
 
 
 _LLAMACPP = """
@@ -175,6 +176,8 @@ import mlx.core as mx
 import mlx_lm  # noqa: F401
 mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))  # MLX used before toymlx is imported
 import toymlx  # noqa: F401
+from scratch import scratch_folder
+
 from toymlx.backend.device import backend_info, blas_summary
 from toymlx.generation.generate import generate, load_for_generation
 path, prompt, n, temp, top_p = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), \

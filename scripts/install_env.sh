@@ -271,6 +271,22 @@ check_extras() {
   done
 }
 
+# TOYMLX_BLAS on Linux, before anything is installed: a library's file that is not there was
+# only warned of at each run, which then used MLX's reference BLAS (about 30x slower). An
+# absolute path: a relative one would be looked for from each command's own folder. A Mac uses
+# Accelerate, whatever it says.
+check_blas() {
+  [ "$OS" = Linux ] && [ -n "${TOYMLX_BLAS:-}" ] || return 0
+  local found
+  case $TOYMLX_BLAS in
+    openblas | reference) return 0 ;;
+    /*) if [ -f "$TOYMLX_BLAS" ]; then return 0; fi
+        found="no file there" ;;
+    *) found="a name, not an absolute path" ;;
+  esac
+  die "TOYMLX_BLAS=$TOYMLX_BLAS: expected openblas, reference or the absolute path of an LP64 BLAS library (libopenblas.so, MKL's libmkl_rt.so), found $found; unset, toymlx chooses one itself"
+}
+
 # pip install -e the checkout, unless the last install into $ENV was of this same state.
 install_toymlx() {
   local spec=".[${BACKEND:+$BACKEND,}${BLAS:+$BLAS,}test${TOYMLX_EXTRAS:+,$TOYMLX_EXTRAS}]"
@@ -340,6 +356,7 @@ CPUINFO=/proc/cpuinfo
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 check_platform
 check_extras
+check_blas
 choose_env
 BACKEND=$(backend_extra)
 BLAS=$(blas_extra)

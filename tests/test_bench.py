@@ -12,9 +12,11 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -160,6 +162,84 @@ def test_flags_that_do_not_fit_fail_in_one_line(bench, capsys, flags, message):
     assert bench.main(flags) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"bench: {message}") and err.count("\n") == 1, err
+
+
+def _option_help(monkeypatch, capsys, name: str) -> dict[str, str]:
+    """The help text of each option benchmarks/<name>.py --help lists, by its flags."""
+    monkeypatch.setenv("COLUMNS", "1000")  # one line an option, unless its flags are long
+    with pytest.raises(SystemExit):
+        _benchmark_module(monkeypatch, name).main(["--help"])
+    helps: dict[str, str] = {}
+    flags = ""
+    for line in capsys.readouterr().out.split("options:\n")[1].splitlines():
+        if line.startswith("  -"):  # an option: its flags, then its help where they leave room
+            flags, _, text = line.strip().partition("  ")
+            helps[flags] = text.strip()
+        elif flags:  # its help, under long flags
+            helps[flags] = (helps[flags] + " " + line.strip()).strip()
+    return helps
+
+
+def test_bench_help_says_the_user_paths_run_unless_turned_off(monkeypatch, capsys):
+    """--user-paths, on by default and minutes long, did not say it was on."""
+    text = _option_help(monkeypatch, capsys, "bench")["--user-paths, --no-user-paths"]
+    assert "default: on, --no-user-paths skips them" in text, text
+
+
+def test_decode_peers_help_describes_every_option(monkeypatch, capsys):
+    """--tokens and --rounds were listed without a word."""
+    helps = _option_help(monkeypatch, capsys, "decode_peers")
+    assert helps["--tokens N"] == "the most tokens each row decodes after the prompt (default: 128)"
+    assert helps["--rounds N"] == ("timed rounds, the rows' order reversed every other round "
+                                   "(default: 3)")
+    assert all(helps.values()), helps
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129),
+                                           (signal.SIGINT, -signal.SIGINT)])
+def test_a_scratch_folder_is_removed_when_a_signal_ends_the_process(tmp_path, signum, code):
+    """SIGTERM's default killed a benchmark without unwinding it: its temporary folders stayed.
+    Now the process exits 128 + the signal's number, its folders removed; Ctrl-C (Python's
+    KeyboardInterrupt) removes them too, and ends the process as Ctrl-C does."""
+    script = ("import os, sys, time\nfrom scratch import scratch_folder\n"
+              "with scratch_folder('toymlx-test-') as tmp, scratch_folder('toymlx-inner-') as inner:\n"
+              "    (inner / 'big').write_bytes(bytes(1 << 20))\n"
+              f"    os.kill(os.getpid(), {int(signum)})\n"
+              "    time.sleep(60)\n")
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(
+        [str(BENCH.parent), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                       check=False, timeout=60)
+    assert p.returncode == code, p.stderr
+    assert (p.stderr == "") == (signum != signal.SIGINT), p.stderr  # Ctrl-C's traceback
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_scratch_folder_puts_the_signal_handlers_back(monkeypatch):
+    scratch = _benchmark_module(monkeypatch, "scratch")
+    before = [signal.getsignal(s) for s in scratch.ENDING]
+    with scratch.scratch_folder("toymlx-test-") as tmp:
+        assert tmp.is_dir() and signal.getsignal(signal.SIGTERM) is scratch._exit
+    assert not tmp.exists() and [signal.getsignal(s) for s in scratch.ENDING] == before
+
+
+def test_the_cpu_suite_stopped_by_sigterm_leaves_no_folder(tmp_path):
+    """bench.py stopped by SIGTERM left its toymlx-bench-* folder in $TMPDIR (52 MB after a
+    quick run; a finished one left it too)."""
+    cmd = [sys.executable, str(BENCH), "--quick", "--only", "llama-4x256", "--impl", "toymlx",
+           "--rounds", "1", "--no-user-paths"]
+    p = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "TMPDIR": str(tmp_path)},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while p.poll() is None and not list(tmp_path.glob("toymlx-bench-*")):
+            time.sleep(0.05)  # until the suite has made its folder
+        assert p.poll() is None, p.stderr.read()
+        p.send_signal(signal.SIGTERM)
+        err = p.communicate(timeout=120)[1]
+    finally:
+        p.kill()
+    assert p.returncode == 143, err[-2000:]
+    assert list(tmp_path.glob("toymlx-bench-*")) == []
 
 
 @pytest.mark.skipif(mx.is_available(mx.gpu), reason="the message of a machine without a GPU")

@@ -181,6 +181,34 @@ def test_an_extra_toymlx_lacks_is_refused_before_anything_is_installed(extras, m
                                                    else (1, "", message))
 
 
+_BLAS_EXPECTED = ("expected openblas, reference or the absolute path of an LP64 BLAS library "
+                  "(libopenblas.so, MKL's libmkl_rt.so), found ")
+
+
+@pytest.mark.parametrize("os_name, value, message", [
+    ("Linux", None, None), ("Linux", "openblas", None), ("Linux", "reference", None),
+    ("Linux", "LIBRARY", None),
+    ("Linux", "/no/such/libopenblas.so", (
+        "toymlx: error: TOYMLX_BLAS=/no/such/libopenblas.so: " + _BLAS_EXPECTED
+        + "no file there; unset, toymlx chooses one itself\n")),
+    ("Linux", "mkl", ("toymlx: error: TOYMLX_BLAS=mkl: " + _BLAS_EXPECTED
+                      + "a name, not an absolute path; unset, toymlx chooses one itself\n")),
+    ("Darwin", "/no/such/libopenblas.so", None),  # a Mac's MLX uses Accelerate whatever it says
+])
+def test_a_blas_library_that_is_not_there_is_refused_before_anything_is_installed(
+        tmp_path, os_name, value, message):
+    """TOYMLX_BLAS=/no/such/libopenblas.so installed, and each command then warned that it
+    could not load it and ran MLX's reference BLAS, about 30x slower."""
+    library = tmp_path / "libopenblas.so.0"
+    library.write_bytes(b"")
+    env = {k: v for k, v in _env().items() if k != "TOYMLX_BLAS"}
+    if value is not None:
+        env["TOYMLX_BLAS"] = str(library) if value == "LIBRARY" else value
+    r = _shell("bash", f"source scripts/install_env.sh; OS={os_name}; check_blas", REPO, env)
+    assert (r.returncode, r.stdout, r.stderr) == ((0, "", "") if message is None
+                                                   else (1, "", message))
+
+
 @pytest.mark.parametrize("arch, vendor, backend, blas, want, message", [
     ("x86_64", "GenuineIntel", "cpu", None, "mkl", "BLAS: Intel's MKL from pip for this Intel CPU"),
     ("x86_64", "GenuineIntel", "cpu", "openblas", "",
