@@ -63,6 +63,7 @@ from toymlx.backend.stop import (
     STOP_CODES,
     StopSignals,
     ignore_stop_signals,
+    killed_by,
     relayed,
     stop_outcome,
 )
@@ -493,11 +494,7 @@ def _unreported(r: int, end: dict) -> dict[int, tuple[int | None, str]]:
     if not isinstance(code, int) or code == 0:
         return {}
     if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return {r: (128 - code, f"ended by {name}")}
+        return {r: (128 - code, f"ended by {killed_by(code)}")}
     return {r: (code, f"exit code {code}")}
 
 
