@@ -257,7 +257,8 @@ def _remove_mlx_temp_files(status_dir: Path, n: int) -> None:
     """Remove the temp files each rank on this host named in its start report and left, killed
     before it removed them itself (`rank_status`), once mlx.launch's session has ended: its
     kill path reads (then removes) a pidfile while any rank may still be stopped. A rank that
-    never reported leaves its files."""
+    never reported leaves its files. Only an mlx.launch whose script `_own_temp_files` could
+    not reword leaves any here: otherwise they are in the launch's own folder, removed whole."""
     host = socket.gethostname()
     for r in range(n):
         start = _read(status_dir / f"rank{r}.start")
