@@ -261,10 +261,8 @@ def run(args: Args) -> int:
     if args.adapter and mlx_lm_files(args.adapter) is not None:
         return export_mlx_lm(args)
     base_spec = args.base or run_base_of(args.adapter)
-    if args.base and args.adapter and (note := moved_base_note(args.base, args.adapter)):
-        print(f"{PROG}: reads --base from {note}", file=sys.stderr)
-    elif args.base and args.adapter and (note := other_base_note(args.base, args.adapter)):
-        print(f"{PROG}: note: {note}", file=sys.stderr)
+    if args.base and args.adapter and (note := base_note(args.base, args.adapter)):
+        print(f"{PROG}: {note}", file=sys.stderr)
     # a path, a run, or ollama:NAME / lmstudio:NAME / hf:...; an Ollama blob's SHA-256 (a read
     # of the whole base) after the cheap refusals: the output, the flags
     base = checkpoint_file(base_spec, "--base", check_digest=False)
@@ -350,42 +348,32 @@ def gguf_name(out: Path) -> None:
                          f"{out.with_name(out.stem + '.gguf') if out.suffix else str(out) + '.gguf'}")
 
 
-def moved_base_note(base: str, adapter: str) -> str | None:
-    """What to say where --base holds the base the --adapter's run recorded, from another
-    place (`Bundle.given_input`); None otherwise (another base is exported as given)."""
-    from toymlx.bundle.options import RunError
-    from toymlx.runner.bundle import Bundle
-
-    try:
-        bundle = Bundle.of(adapter, "--adapter")
-    except (RunError, OSError):  # a run the export reads nothing else of: --base is given
-        return None
-    return bundle.given_input("base", base) if bundle is not None else None
-
-
-def other_base_note(base: str, adapter: str) -> str | None:
-    """What to say where --base holds other contents than the base the --adapter's run trained
-    on (another quantization of it, a sibling model of the same shape, or a slip): exported
-    as given, as llama.cpp applies an adapter to any base it fits, but not without a word; None
-    where it is that base, or nothing is recorded (`moved_base_note` says a moved one)."""
+def base_note(base: str, adapter: str) -> str | None:
+    """What to say where --base is not the base file the --adapter's run recorded: where it
+    reads that base from, where --base holds it from another place ("reads --base from X
+    (moved; same contents as the run's Y)", `adopt_input`); a note where --base is a file of
+    other contents (another quantization of it, a sibling model of the same shape, or a slip),
+    exported as given, as llama.cpp applies an adapter to any base it fits, but not without a
+    word. None where it is that file, or nothing is recorded. --base is hashed once."""
     import os
 
-    from toymlx.bundle.inputs import MODEL_FILES_KEY, same_contents
+    from toymlx.bundle.inputs import MODEL_FILES_KEY, OtherContents, adopt_input
     from toymlx.bundle.options import RunError
     from toymlx.runner.bundle import Bundle
 
     try:
         bundle = Bundle.of(adapter, "--adapter")
-    except (RunError, OSError):
+        rec = bundle.saved.get(MODEL_FILES_KEY, {}).get("base") if bundle is not None else None
+        if not isinstance(rec, dict) or not isinstance(rec.get("file"), str):
+            return None
+        adopted = adopt_input("base", rec, base, bundle.config)
+    except OtherContents as e:
+        return (f"note: --base {base} ({e.found}) is not the base the run {bundle.path} trained "
+                f"on ({rec['file']}, {e.recorded}): the adapter is applied to it as given"
+                ) if os.path.isfile(base) else None
+    except (RunError, OSError):  # no run read, or --base missing: export refuses it later
         return None
-    rec = bundle.saved.get(MODEL_FILES_KEY, {}).get("base") if bundle is not None else None
-    if (not isinstance(rec, dict) or not isinstance(rec.get("file"), str)
-            or not os.path.isfile(base) or os.path.realpath(base) == rec["file"]):
-        return None
-    same, now, want = same_contents("base", rec, Path(base), bundle.config)
-    return None if same else (
-        f"--base {base} ({now}) is not the base the run {bundle.path} trained on "
-        f"({rec['file']}, {want}): the adapter is applied to it as given")
+    return f"reads --base from {adopted[1]}" if adopted is not None else None
 
 
 def run_base_of(adapter: str | None) -> str:

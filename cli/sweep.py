@@ -63,8 +63,8 @@ EXAMPLE = "toymlx-sweep --recipe vit-tiny --grid lr=1e-3,3e-3 -- --steps 100"
 
 def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="toymlx-sweep", allow_abbrev=False, epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                description="Run a grid or random search of toymlx-train runs.")
+                      formatter_class=argparse.RawDescriptionHelpFormatter,
+                      description="Run a grid or random search of toymlx-train runs.")
     p.add_argument("-c", "--config", metavar="FILE",
                    help="the sweep's options and every run's from a YAML or JSON file (below)")
     p.add_argument("--recipe", help="recipe of every run (as in toymlx-train; required)")

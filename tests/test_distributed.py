@@ -549,6 +549,17 @@ def test_a_command_that_is_not_toymlx_s_passes_on_its_exit_code_and_leaves_no_fi
     assert sorted(f.name for f in tmp.iterdir()) == []
 
 
+def test_a_rank_that_never_reported_is_named_by_how_mlx_launch_saw_it_end():
+    """A rank of a command that is not toymlx-train is named by its exit code, or by the signal
+    that ended it as a sweep's run is (`killed_by`: one Python has no name for by its number)."""
+    from toymlx.runner.launch import _unreported
+
+    assert _unreported(1, {"code": 0}) == {}
+    assert _unreported(1, {"code": 3}) == {1: (3, "exit code 3")}
+    assert _unreported(0, {"code": -signal.SIGTERM}) == {0: (143, "ended by SIGTERM")}
+    assert _unreported(2, {"code": -50}) == {2: (178, "ended by signal 50")}
+
+
 def test_ctrl_c_on_a_command_that_is_not_toymlx_s_is_its_ctrl_c_and_leaves_no_files(tmp_path):
     """... and Ctrl-C: the ranks got toymlx-train's relay of it (SIGUSR2), which killed them
     ("ended by SIGUSR2", exit status 140); now the signal itself (a Python rank's

@@ -154,17 +154,24 @@ def test_export_without_base_writes_the_same_bytes(trained, tmp_path, capsys, mo
 
 
 def test_export_onto_another_base_of_the_same_shape_says_so_and_writes_it(trained, tmp_path,
-                                                                          capsys):
+                                                                          capsys, monkeypatch):
     """`toymlx-export --adapter RUN --base OTHER --fuse`, OTHER a model of the same shape with
     other weights (a slip, or another quantization on purpose): fused without a word. It is
     still written, as llama.cpp applies an adapter to any base it fits, with a note naming
-    both files; the run's own base gets none."""
+    both files; the run's own base gets none. OTHER is read whole once for the note, not once
+    to see whether it is the run's base moved and again to say it is not."""
+    from toymlx.bundle import model_store
+
     run, other = trained / "where" / "runs" / "rel", trained / "elsewhere" / "smol.gguf"
     recorded = trained / "where" / "smol.gguf"
     export = _cli("export")
+    hashed, file_sha256 = [], model_store.file_sha256
+    monkeypatch.setattr(model_store, "file_sha256",
+                        lambda path: hashed.append(Path(path)) or file_sha256(path))
     capsys.readouterr()
     assert export(["--adapter", str(run), "--base", str(other), "--fuse", "--no-held-out",
                    "--out", str(tmp_path / "o.gguf")]) == 0
+    assert hashed.count(other) == 1
     note = capsys.readouterr().err.splitlines()[0]
     digest = hashlib.sha256
     assert note == (f"toymlx-export: note: --base {other} (sha256 "

@@ -1708,6 +1708,7 @@ def test_a_run_killed_by_a_signal_is_said_to_be(tmp_path):
     log.write_text("# 2026-12-04 18:33:00 start: toymlx-train --recipe vit-tiny\n")
     assert _why_failed(-signal.SIGKILL, log) == "killed by SIGKILL"  # before its first line
     assert _why_failed(3, tmp_path / "none.log") == "exit code 3"
+    assert _why_failed(-50, tmp_path / "none.log") == "killed by signal 50"  # no name in Python
 
 
 def test_a_sweep_file_key_that_does_not_apply_is_refused_a_run_config_is_not(

@@ -127,6 +127,15 @@ def signal_name(signum: int | None) -> str:
     return signal.Signals(signum or signal.SIGINT).name
 
 
+def killed_by(code: int) -> str:
+    """The name of the signal that a child's negative exit code (`Popen.returncode`) says ended
+    it ("SIGKILL"; "signal 64" for one Python has no name for)."""
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
 def how_stopped(e: KeyboardInterrupt) -> tuple[str, int]:
     """`stop_outcome` of a KeyboardInterrupt: `Stopped`'s signal, else Ctrl-C."""
     return stop_outcome(e.signum if isinstance(e, Stopped) else None)

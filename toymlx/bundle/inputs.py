@@ -533,12 +533,25 @@ def _moved_record(key: str, typed: str, file: str, was: str) -> dict[str, Any]:
     return rec
 
 
+class OtherContents(RunError):
+    """`adopt_input`'s refusal of a file that holds other contents than the run recorded, with
+    both as its message names them, so a reader that takes another file (toymlx-export's
+    --base) can say so without hashing it again."""
+
+    def __init__(self, message: str, found: str, recorded: str):
+        super().__init__(message)
+        self.found = found
+        """what the file holds ("sha256 HEX12", "N bytes, ...")"""
+        self.recorded = recorded
+        """what the run recorded, in the same words"""
+
+
 def adopt_input(key: str, rec: dict[str, Any], given: str, cfg: Any = None
                 ) -> tuple[str, str] | None:
     """An input option given again (`--data.path data2` on a resume): None where `given` is the
     recorded file (or its store name); else (its absolute file, what to say) where it holds the
     recorded contents (`same_contents`, of the run of configuration `cfg`); RunError (one line
-    naming both paths) where it is missing or holds other contents."""
+    naming both paths) where it is missing, `OtherContents` where it holds other contents."""
     flag, typed, file = flag_name(key), rec.get("path"), rec.get("file")
     store = key in MODEL_OPTIONS and model_store.is_store_name(given)
     if (given == typed) if store else os.path.realpath(given) == file:
@@ -554,9 +567,10 @@ def adopt_input(key: str, rec: dict[str, Any], given: str, cfg: Any = None
                        "nothing there")
     same, now, want = same_contents(key, rec, found, cfg)
     if not same:
-        raise RunError(f"{where}: {flag}: expected the run's {key}, recorded as {file} ({want}), "
-                       f"found other contents ({now}); a run keeps its inputs: give the path "
-                       f"that holds the run's {key}, or start a new run on this one")
+        raise OtherContents(f"{where}: {flag}: expected the run's {key}, recorded as {file} "
+                            f"({want}), found other contents ({now}); a run keeps its inputs: "
+                            f"give the path that holds the run's {key}, or start a new run on "
+                            "this one", now, want)
     return (given if store else where), f"{given} (moved; same contents as the run's {typed})"
 
 

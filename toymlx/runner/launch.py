@@ -63,6 +63,7 @@ from toymlx.backend.stop import (
     STOP_CODES,
     StopSignals,
     ignore_stop_signals,
+    killed_by,
     relayed,
     stop_outcome,
 )
@@ -256,7 +257,8 @@ def _remove_mlx_temp_files(status_dir: Path, n: int) -> None:
     """Remove the temp files each rank on this host named in its start report and left, killed
     before it removed them itself (`rank_status`), once mlx.launch's session has ended: its
     kill path reads (then removes) a pidfile while any rank may still be stopped. A rank that
-    never reported leaves its files."""
+    never reported leaves its files. Only an mlx.launch whose script `_own_temp_files` could
+    not reword leaves any here: otherwise they are in the launch's own folder, removed whole."""
     host = socket.gethostname()
     for r in range(n):
         start = _read(status_dir / f"rank{r}.start")
@@ -493,11 +495,7 @@ def _unreported(r: int, end: dict) -> dict[int, tuple[int | None, str]]:
     if not isinstance(code, int) or code == 0:
         return {}
     if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return {r: (128 - code, f"ended by {name}")}
+        return {r: (128 - code, f"ended by {killed_by(code)}")}
     return {r: (code, f"exit code {code}")}
 
 

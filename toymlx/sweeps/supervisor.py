@@ -39,7 +39,7 @@ from toymlx.backend import atomic
 from toymlx.backend.files import counted
 from toymlx.backend.lifeline import child_env, module_command
 from toymlx.backend.lock import LOCK_FILE, LockHeld, acquire, described, held_by
-from toymlx.backend.stop import SOLO_SIGNALS, STOP_CODES, StopSignals, how_stopped
+from toymlx.backend.stop import SOLO_SIGNALS, STOP_CODES, StopSignals, how_stopped, killed_by
 from toymlx.bundle.checkpoint import resolve_latest
 from toymlx.bundle.events import read_events
 from toymlx.bundle.folder import UNWRITABLE, check_folder_name, upload_first, wandb_to_upload
@@ -187,12 +187,8 @@ def _why_failed(code: int, log: Path) -> str:
     last = _last_error(log)
     if code >= 0:
         return last or f"exit code {code}"
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = f"signal {-code}"
     said = last and not last.startswith("# ")  # not the sweep's own header line
-    return f"killed by {name}" + (f" (its last line: {last})" if said else "")
+    return f"killed by {killed_by(code)}" + (f" (its last line: {last})" if said else "")
 
 
 class _Runner:
