@@ -639,16 +639,19 @@ def _check_rank0_did_not_complete(run: Path) -> None:
 def test_plain_mlx_launch_exits_0_on_a_failed_rank_without_hanging(tmp_path):
     """Why toymlx-launch exists: mlx.launch reports success whatever its ranks do. With
     SIGTERM left at its default under data parallelism, it no longer hangs on a rank blocked
-    in the all_sum."""
+    in the all_sum. In a TMPDIR of its own: mlx.launch leaves its ranks' mktemp files there,
+    which toymlx-launch avoids (`_own_temp_files`)."""
     script = tmp_path / "fail_rank1.py"
     script.write_text(FAIL_RANK1)
-    root = tmp_path / "runs"
+    root, tmp = tmp_path / "runs", tmp_path / "tmp"
+    tmp.mkdir()
     code = ("import sys; from mlx._distributed_utils.launch import main; "
             "sys.argv[0] = 'mlx.launch'; main()")
     mlx_launch = [sys.executable, "-c", code, "--backend", "ring", "-n", "2",
                   "-p", str(_free_port_base(2)), "--"]
     p = _launch(tmp_path, [*mlx_launch, sys.executable, str(script), *ARGS, "--no-compile",
-                           "--runs-root", str(root), "--run-id", "m"], timeout=120)
+                           "--runs-root", str(root), "--run-id", "m"], timeout=120,
+                env={"TMPDIR": str(tmp)})
     # Which rank mlx.launch sees fail first is a race: rank 1 raising (code 1), or rank 0
     # erroring in its all_sum (code 1) before rank 1 is stopped (code -15). Either way the
     # launch itself says 0.
