@@ -580,6 +580,34 @@ def test_ctrl_c_on_a_command_that_is_not_toymlx_s_is_its_ctrl_c_and_leaves_no_fi
     assert "SIGUSR2" not in err and err.count("KeyboardInterrupt") == 2, err
     assert sorted(f.name for f in tmp.iterdir()) == []
 
+
+def test_a_killed_launcher_leaves_no_folder_of_its_own(tmp_path):
+    """`kill -9` of toymlx-launch with no --status-dir left its report folder
+    (toymlx-launch-XXXXXXXX) in TMPDIR: only toymlx-launch removed it, as it ended. Now
+    mlx.launch's child, which outlives it to stop the ranks, removes it."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    rank = ("import os, sys, time; open(os.path.join(sys.argv[1], 'setup' + os.environ['MLX_RANK'])"
+            ", 'w').close(); time.sleep(60)")
+    p = subprocess.Popen([*LAUNCH, sys.executable, "-c", rank, str(tmp_path)], cwd=tmp_path,
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp)})
+    try:
+        _wait_for_setups(p, tmp_path)
+        launcher = [int(x) for x in subprocess.run(["pgrep", "-P", str(p.pid)],
+                                                   capture_output=True, text=True,
+                                                   check=False).stdout.split()]
+        assert len(launcher) == 1 and any(tmp.glob("toymlx-launch-*"))
+        p.kill()
+        p.wait()
+        t0 = time.monotonic()
+        while _running(launcher[0]):
+            assert time.monotonic() - t0 < 30, "mlx.launch outlived its killed launcher"
+            time.sleep(0.1)
+    finally:
+        end_child(p)
+    assert sorted(f.name for f in tmp.iterdir()) == []
+
+
 def test_a_port_in_use_is_one_line_per_rank_not_a_traceback(tmp_path):
     """`toymlx-launch --port P` with P taken: each rank printed MLX's bare RuntimeError
     ("[ring] Couldn't bind socket (error: 98)") as a traceback. Now one line names the cause
@@ -622,16 +650,19 @@ def _check_rank0_did_not_complete(run: Path) -> None:
 def test_plain_mlx_launch_exits_0_on_a_failed_rank_without_hanging(tmp_path):
     """Why toymlx-launch exists: mlx.launch reports success whatever its ranks do. With
     SIGTERM left at its default under data parallelism, it no longer hangs on a rank blocked
-    in the all_sum."""
+    in the all_sum. In a TMPDIR of its own: mlx.launch leaves its ranks' mktemp files there,
+    which toymlx-launch avoids (`_own_temp_files`)."""
     script = tmp_path / "fail_rank1.py"
     script.write_text(FAIL_RANK1)
-    root = tmp_path / "runs"
+    root, tmp = tmp_path / "runs", tmp_path / "tmp"
+    tmp.mkdir()
     code = ("import sys; from mlx._distributed_utils.launch import main; "
             "sys.argv[0] = 'mlx.launch'; main()")
     mlx_launch = [sys.executable, "-c", code, "--backend", "ring", "-n", "2",
                   "-p", str(_free_port_base(2)), "--"]
     p = _launch(tmp_path, [*mlx_launch, sys.executable, str(script), *ARGS, "--no-compile",
-                           "--runs-root", str(root), "--run-id", "m"], timeout=120)
+                           "--runs-root", str(root), "--run-id", "m"], timeout=120,
+                env={"TMPDIR": str(tmp)})
     # Which rank mlx.launch sees fail first is a race: rank 1 raising (code 1), or rank 0
     # erroring in its all_sum (code 1) before rank 1 is stopped (code -15). Either way the
     # launch itself says 0.
@@ -676,15 +707,19 @@ def test_a_killed_launcher_leaves_no_stuck_rank_running(tmp_path):
     """The lifeline's SIGTERM now asks the ranks to stop after their step (a final checkpoint),
     which a rank blocked in a collective never reads: mlx.launch's session is killed
     SESSION_GRACE seconds later. Here rank 1 sleeps in its 4th step and rank 0 waits for it in
-    the all_sum when toymlx-launch is killed (about 70 s)."""
+    the all_sum when toymlx-launch is killed (about 70 s). The launch's folders in TMPDIR (its
+    reports, mlx.launch's files) were left there: mlx.launch's child, killed with its session,
+    now removes them first."""
     script = tmp_path / "stuck_rank1.py"
     script.write_text(STUCK_RANK1)
-    status, root = tmp_path / "status", tmp_path / "runs"
-    p = subprocess.Popen([*LAUNCH[:-1], "--status-dir", str(status), "--", sys.executable,
-                          str(script), *STOP_ARGS, "--runs-root", str(root), "--run-id", "st"],
+    root, tmp = tmp_path / "runs", tmp_path / "tmp"
+    tmp.mkdir()
+    p = subprocess.Popen([*LAUNCH[:-1], "--", sys.executable, str(script), *STOP_ARGS,
+                          "--runs-root", str(root), "--run-id", "st"],
                          cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         text=True)
+                         text=True, env={**os.environ, "TMPDIR": str(tmp)})
     _wait_for_step(p, root / "st", 3)
+    [status] = [f for f in tmp.glob("toymlx-launch-*") if "-files-" not in f.name]
     ranks = [json.loads((status / f"rank{r}.start").read_text())["pid"] for r in range(2)]
     launcher = [int(x) for x in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True,
                                                text=True, check=False).stdout.split()]
@@ -697,6 +732,7 @@ def test_a_killed_launcher_leaves_no_stuck_rank_running(tmp_path):
         assert time.monotonic() - t0 < SESSION_GRACE + 30, "a stuck rank outlived its launcher"
         time.sleep(0.5)
     assert time.monotonic() - t0 >= SESSION_GRACE - 1
+    assert [f.name for f in tmp.iterdir() if f.name != "mlx"] == []  # MLX's cache stays
 
 
 def _running(pid: int) -> bool:

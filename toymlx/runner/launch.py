@@ -13,7 +13,9 @@ other ranks get `grace` seconds to end, then the whole session is terminated.
 by `toymlx.backend.lifeline`: if `toymlx-launch` dies, even by SIGKILL, the launcher asks its
 ranks to stop (SIGTERM: each ends after the same step, with a final checkpoint) and kills its
 session `SESSION_GRACE` seconds later; each rank, tied to the launcher the same way, stops
-too. No rank trains on with nothing watching it.
+too. No rank trains on with nothing watching it. The launcher then removes the launch's folders
+(its reports where toymlx-launch made the folder, mlx.launch's files), as toymlx-launch would
+have.
 
 mlx.launch runs each rank through a bash script (over ssh on another host) that leaves two
 files in that host's temp folder (`mktemp`'s, `$TMPDIR` or /tmp) for good: the rank's pidfile
@@ -73,6 +75,9 @@ RANKS_ENV = "TOYMLX_LAUNCH_RANKS"
 """The number of ranks of the launch, for each rank (`refused_alike`)."""
 TEMP_ENV = "TOYMLX_LAUNCH_TEMP"
 """The folder of mlx.launch's files for the ranks on this host (`_own_temp_files`)."""
+OWN_STATUS_ENV = "TOYMLX_LAUNCH_OWN_STATUS"
+"""Set (to 1) where toymlx-launch made the report folder itself (no --status-dir): mlx.launch's
+child removes it where toymlx-launch died before it could (`_mlx_launch_child`)."""
 SESSION_GRACE = 60.0
 """Seconds mlx.launch's session gets to stop by itself (each rank: its step, then a final
 checkpoint) once the toymlx-launch that started it died, before it is killed."""
@@ -284,14 +289,22 @@ def _mlx_launch_child() -> None:
     _terminate_unstopped(mlx_launch)
     _kill_script_tolerant(mlx_launch)
     temp = Path(os.environ[TEMP_ENV])
+    status = Path(os.environ[STATUS_ENV])
     _own_temp_files(mlx_launch, temp)
-    _record_ends(mlx_launch, Path(os.environ[STATUS_ENV]))
+    _record_ends(mlx_launch, status)
+    # what toymlx-launch removes as it ends, left to us once it died (kill -9) before it could
+    orphaned = [temp, *([status] if os.environ.get(OWN_STATUS_ENV) == "1" else [])]
+    lost: list[bool] = []
 
     def end_session() -> None:
         # we lead the session: every rank stops after its step, and we end when they have;
-        # one blocked in C++ (a collective) runs no handler, so the session is killed after
+        # one blocked in C++ (a collective) runs no handler, so the session is killed after,
+        # this process with it: the launch's folders go first
+        lost.append(True)
         os.killpg(os.getpgrp(), signal.SIGTERM)
         time.sleep(SESSION_GRACE)
+        for folder in orphaned:
+            shutil.rmtree(folder, ignore_errors=True)
         os.killpg(os.getpgrp(), signal.SIGKILL)
     watch_parent(end_session)
     # A stop signal reaches every rank (toymlx-launch passes it on to the session; a SIGTERM
@@ -307,8 +320,9 @@ def _mlx_launch_child() -> None:
     sys.stdout, sys.stderr = _relay(sys.stdout), _relay(sys.stderr)
     try:
         mlx_launch.main()
-    finally:  # toymlx-launch removes it too, unless it was killed (`end_session`)
-        shutil.rmtree(temp, ignore_errors=True)
+    finally:  # toymlx-launch removes them too, unless it was killed (`end_session`)
+        for folder in orphaned if lost else [temp]:  # toymlx-launch still reads the reports
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 class _ConsoleFd(io.RawIOBase):
@@ -633,7 +647,8 @@ def launch(n: int, command: Sequence[str], *, hosts: str | None = None,
     try:
         proc = subprocess.Popen(cmd, start_new_session=True,
                                 env=child_env({**os.environ, STATUS_ENV: str(folder),
-                                               TEMP_ENV: temp}))
+                                               TEMP_ENV: temp,
+                                               **({OWN_STATUS_ENV: "1"} if own else {})}))
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
