@@ -606,6 +606,7 @@ INTERNAL_VARIABLES = {
     "TOYMLX_RANK_STATUS": "set by toymlx-launch for its ranks (toymlx/runner/launch.py)",
     "TOYMLX_LAUNCH_RANKS": "set by toymlx-launch for its ranks (toymlx/runner/launch.py)",
     "TOYMLX_LAUNCH_TEMP": "set by toymlx-launch for mlx.launch's script (runner/launch.py)",
+    "TOYMLX_LAUNCH_OWN_STATUS": "set by toymlx-launch for its mlx.launch (runner/launch.py)",
     "TOYMLX_RESTARTED": "set by a command's huge-page restart (toymlx/backend/device.py)",
     "TOYMLX_TRAIN_KEYWORDS": "set by toymlx.train(config=FILE) for its command (runner/api.py)",
 }
