@@ -600,8 +600,9 @@ def hostile_files(w: World, run: Path, other: Path) -> list[tuple[str, str, list
     plain = w.inputs / "plain"
     plain.mkdir()
     (plain / "notes.txt").write_text("mine")
-    needs = {"from-scratch": ["--data.path", str(w.data), *tiny],
-             "warm-start": ["--donor", base, "--data.path", str(w.data), *tiny],
+    fits = [*tiny, "--seq-len", "32"]  # within tiny's --model.context 64
+    needs = {"from-scratch": ["--data.path", str(w.data), *fits],
+             "warm-start": ["--donor", base, "--data.path", str(w.data), *fits],
              "lora": ["--base", base, "--data.path", str(w.chat)], "vit-tiny": []}
     for recipe in RECIPES:
         out.append(("plain folder under --overwrite", f"toymlx-train --recipe {recipe}",
