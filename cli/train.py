@@ -134,7 +134,7 @@ def _main(argv: list[str] | None) -> int:
     )
     from toymlx_cli.usage import UsageError, line_as_typed, parse_options
 
-    from toymlx.bundle.folder import train_command
+    from toymlx.bundle.checkpoint import train_command
     from toymlx.bundle.options import RunError
     from toymlx.recipes import get_recipe
     from toymlx.runner.api import check_given_types

@@ -201,7 +201,10 @@ def test_a_scratch_folder_is_removed_when_a_signal_ends_the_process(tmp_path, si
     """SIGTERM's default killed a benchmark without unwinding it: its temporary folders stayed.
     Now the process exits 128 + the signal's number, its folders removed; Ctrl-C (Python's
     KeyboardInterrupt) removes them too, and ends the process as Ctrl-C does."""
-    script = ("import os, sys, time\nfrom scratch import scratch_folder\n"
+    # as from a terminal: a child of a background job (CI started with `&`) inherits SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt for it
+    script = ("import os, signal, sys, time\nfrom scratch import scratch_folder\n"
+              "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
               "with scratch_folder('toymlx-test-') as tmp, scratch_folder('toymlx-inner-') as inner:\n"
               "    (inner / 'big').write_bytes(bytes(1 << 20))\n"
               f"    os.kill(os.getpid(), {int(signum)})\n"

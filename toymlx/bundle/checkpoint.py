@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,13 @@ _REWIND_KEYS = {"step": int, "set_aside": list, "exports_set_aside": dict,
 
 class ResumeError(ValueError):
     """A checkpoint or its resume state that cannot continue this run; one line naming it."""
+
+
+def train_command(args: list[str]) -> str:
+    """`toymlx-train ARGS` as a shell takes it (each argument quoted where it must be): the whole
+    command a refusal gives, not "pass --resume", since a resume takes the run's saved options
+    and the command that made the run plus --resume is refused where it gave a -c file."""
+    return shlex.join(["toymlx-train", *args])
 
 
 def state_path(ckpt: Path) -> Path:
@@ -579,8 +587,6 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> tuple[Path, str | None]:
                 f"; the run is still training (process {owner.get('pid', '?')}) and has "
                 "written none yet: its first comes at --checkpoint-every or when it stops")
         if owner is None and (run_dir / "config.json").is_file():
-            from toymlx.bundle.folder import train_command  # folder.py imports this module
-
             # a run that stopped before its first checkpoint: what gives it one
             live = ("; the run stopped before its first checkpoint: start it over with its "
                     "saved configuration, "

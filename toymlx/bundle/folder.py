@@ -306,16 +306,9 @@ def _names(held: list[Path], shown: int = 4) -> str:
                             for p in held), shown)
 
 
-def train_command(args: list[str]) -> str:
-    """`toymlx-train ARGS` as a shell takes it (each argument quoted where it must be): the whole
-    command a refusal gives, not "pass --resume", since a resume takes the run's saved options
-    and the command that made the run plus --resume is refused where it gave a -c file."""
-    return shlex.join(["toymlx-train", *args])
-
-
 def _taken_message(run_dir: Path, what: str, held: list[Path]) -> str:
     """Why a fresh run cannot take an existing folder, by what it holds (`folder_kind`)."""
-    resume = train_command(["--resume", str(run_dir)])
+    resume = ck.train_command(["--resume", str(run_dir)])
     if what == "run":
         hint = ("" if ck.list_checkpoints(run_dir / "weights")
                 else f" ({resume} --from step_0 to start it over)")
