@@ -176,8 +176,6 @@ import mlx.core as mx
 import mlx_lm  # noqa: F401
 mx.eval(mx.ones((64, 64)) @ mx.ones((64, 64)))  # MLX used before toymlx is imported
 import toymlx  # noqa: F401
-from scratch import scratch_folder
-
 from toymlx.backend.device import backend_info, blas_summary
 from toymlx.generation.generate import generate, load_for_generation
 path, prompt, n, temp, top_p = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), \
