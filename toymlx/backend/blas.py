@@ -346,23 +346,14 @@ def _load_told_of_core(path: str, user: str) -> tuple[ctypes.CDLL, bool]:
     knows no kernel set of that name: at OPENBLAS_VERBOSE 1 for the load (unless the user set
     a level), what it writes to stderr meanwhile read back. It otherwise ignores such a name
     without a word (a typo's SkylakX ran the SkylakeX kernels cpuid chose, the user none the
-    wiser). What was written is passed on, less the line this provoked; where stderr cannot be
-    read back (no file descriptor 2, no temporary file) the library loads as before, unasked."""
+    wiser). Its lines are passed on where the user set OPENBLAS_VERBOSE, as they would be."""
     import sys
     import tempfile
 
     verbose = None if "OPENBLAS_VERBOSE" in os.environ else "1"
-    try:
-        saved = os.dup(2)  # first: with no stderr, the temporary file would take its number
-    except OSError:
-        return ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL), False
-    try:
-        captured = tempfile.TemporaryFile()  # noqa: SIM115 (closed by the `with` below)
-    except OSError:
-        os.close(saved)
-        return ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL), False
-    with captured:
-        sys.stderr.flush()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
         os.dup2(captured.fileno(), 2)
         try:
             with environ_for_load("OPENBLAS_VERBOSE", verbose):
@@ -371,14 +362,11 @@ def _load_told_of_core(path: str, user: str) -> tuple[ctypes.CDLL, bool]:
             os.dup2(saved, 2)
             os.close(saved)
         captured.seek(0)
-        lines = captured.read().splitlines(keepends=True)
-    not_found = (CORE_NOT_FOUND + user).encode(errors="replace")
-    unknown = any(line.rstrip(b"\r\n") == not_found for line in lines)
-    kept = [line for line in lines
-            if verbose is None or line.rstrip(b"\r\n") != not_found]  # ours to say instead
-    if kept:
-        os.write(2, b"".join(kept))
-    return handle, unknown
+        said = captured.read()
+    if verbose is None and said:
+        os.write(2, said)
+    lines = said.decode(errors="replace").splitlines()
+    return handle, CORE_NOT_FOUND + user in lines
 
 
 @contextlib.contextmanager
