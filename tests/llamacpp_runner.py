@@ -14,6 +14,7 @@ Script use:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -204,8 +205,14 @@ def main() -> None:
         info = _child_quantize(a.src, a.dst, a.qtype)
     else:
         info = _child_tokenize(a.model, a.src, a.out, not a.no_bos, a.special)
-    print(json.dumps(info))
+    print(json.dumps(info), flush=True)
+    # llama-cpp-python 0.3.36 frees a LoRA adapter in Llama.__del__ after llama.cpp freed it
+    # with its model: a segfault (signal 11) as the interpreter collects it at exit, whether it
+    # does depending on what else the process holds (seen with PYTHONPATH unset, not set).
+    # Everything asked for is written: the process ends here, nothing collected.
+    os._exit(0)
 
 
 if __name__ == "__main__":
+    gc.disable()  # no collection of a Llama before the end either (above)
     main()

@@ -189,6 +189,10 @@ def main() -> None:
                 break
             print(int(tok), flush=True)
         print(END, flush=True)
+    # stdin closed: done. llama-cpp-python 0.3.36 frees a LoRA adapter in Llama.__del__ after
+    # llama.cpp freed it with its model, a segfault as the interpreter collects it at exit (seen
+    # in tests/llamacpp_runner.py's child, as PYTHONPATH was set or not): nothing is collected
+    os._exit(0)
 
 
 if __name__ == "__main__":
