@@ -124,6 +124,48 @@ def test_the_users_coretype_wins_and_a_generic_one_is_one_line():
         f"OPENBLAS_CORETYPE={best}")
 
 
+def test_a_coretype_openblas_does_not_know_is_one_line():
+    """OPENBLAS_CORETYPE=SkylakX (a typo) was silent: OpenBLAS ignores a name it knows no kernel
+    set of and runs its cpuid choice (it says so only at OPENBLAS_VERBOSE 1), and run_start said
+    the variable chose the kernels. Now one line names the variable, the value and the fix, and
+    run_start says who chose; a name it knows in another case (skylakex) is obeyed, no word."""
+    r = _fresh(OPENBLAS_CORETYPE="SkylakX", TOYMLX_BLAS="openblas")
+    b = r["backend"]
+    best = _avx2()
+    assert b["blas_core_from"] == "OpenBLAS (OPENBLAS_CORETYPE=SkylakX unknown to it)"
+    assert r["coretype"] == "SkylakX"  # the user's own variable stays
+    assert r["warned"] == [
+        "OPENBLAS_CORETYPE: expected the name of one of OpenBLAS's kernel sets"
+        + ("" if best is None else f" (this CPU's best: {best[0]})")
+        + f", found 'SkylakX', which it does not know, so it runs its {b['blas_core']} kernels, "
+        "chosen from this CPU; correct the name or unset it"]
+    known = _fresh(OPENBLAS_CORETYPE="skylakex", TOYMLX_BLAS="openblas")
+    assert known["backend"]["blas_core_from"] == "OPENBLAS_CORETYPE=skylakex"
+    assert not [w for w in known["warned"] if "expected the name" in w]
+
+
+@pytest.mark.parametrize("verbose, stderr, told", [
+    (None, subprocess.PIPE, False),  # the line the load provoked is toymlx's to say
+    ("1", subprocess.PIPE, True),  # the user asked for OpenBLAS's own lines: passed on
+    (None, subprocess.DEVNULL, False),  # stderr closed
+])
+def test_reading_openblas_s_word_on_the_core_keeps_stderr_as_it_was(verbose, stderr, told):
+    """The load's stderr is read back to find OpenBLAS's "Core not found": what it writes is
+    passed on, less the line toymlx provoked, and a process with stderr closed still imports."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_VERBOSE", "TOYMLX_BLAS")}
+    env.update(OPENBLAS_CORETYPE="SkylakX", TOYMLX_BLAS="openblas",
+               **({} if verbose is None else {"OPENBLAS_VERBOSE": verbose}))
+    code = "import toymlx, sys; sys.stdout.write('imported')"
+    closed = stderr == subprocess.DEVNULL  # then closed in the child: `2>&-`
+    p = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, timeout=120,
+                       stdout=subprocess.PIPE, stderr=stderr, text=True, check=False,
+                       preexec_fn=(lambda: os.close(2)) if closed else None)
+    assert (p.returncode, p.stdout) == (0, "imported")
+    if stderr == subprocess.PIPE:
+        assert ("Core not found: SkylakX" in p.stderr) == told, p.stderr
+
+
 def test_toymlx_blas_chooses_another_library():
     system = next((p for p in blas.SYSTEM_PATHS if os.path.exists(p)), None)
     if system is None:

@@ -97,7 +97,11 @@ class Library:
     handle: ctypes.CDLL
     core_from: str | None = None
     """Who chose the kernel set: "cpuid (FLAGS)" where `load` set OPENBLAS_CORETYPE,
-    "OPENBLAS_CORETYPE=X" where the user had set it, else None (the library itself)."""
+    "OPENBLAS_CORETYPE=X" where the user had set it, "OpenBLAS (OPENBLAS_CORETYPE=X unknown to
+    it)" where the user's X names no kernel set OpenBLAS has, else None (the library itself)."""
+    unknown_core: str | None = None
+    """The user's OPENBLAS_CORETYPE where OpenBLAS knows no kernel set of that name (it then
+    runs its own cpuid choice, and says so only at OPENBLAS_VERBOSE 1)."""
     threading: str | None = None
     """MKL's threading layer (`mkl_threading`): gnu (with ", GOMP_SPINCOUNT=1000" where toymlx
     loaded libgomp, `load_libgomp`), sequential, or MKL_THREADING_LAYER=X where the user
@@ -257,8 +261,14 @@ def load(path: str, prefix: str, source: str) -> Library:
     # OpenBLAS starts its worker threads as it loads, and they keep the floating-point mode of
     # this thread for life: flushing subnormals (toymlx.backend.fpenv)
     with environ_for_load("OPENBLAS_CORETYPE", forced and forced[0]), fpenv.subnormals("flush"):
-        handle = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+        if user is None:
+            handle, unknown = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL), False
+        else:
+            handle, unknown = _load_told_of_core(path, user)
     lib = Library(path, prefix, source, handle, core_from)
+    if unknown:
+        lib.core_from = f"OpenBLAS (OPENBLAS_CORETYPE={user} unknown to it)"
+        lib.unknown_core = user
     if lib.function("cblas_sgemm") is None:
         raise OSError(f"{path}: no {prefix}cblas_sgemm in it; expected a BLAS")
     if lib.kind == "mkl":
@@ -324,6 +334,51 @@ def load_libgomp() -> str | None:
     with environ_for_load(name, value):
         ctypes.CDLL("libgomp.so.1")
     return None if value is None else f"{name}={value}"
+
+
+CORE_NOT_FOUND = "Core not found: "
+"""How OpenBLAS (x86-64 and arm64 DYNAMIC_ARCH builds, 0.2 to 0.3.34) says at load, at
+OPENBLAS_VERBOSE 1 or more, that no kernel set is named as OPENBLAS_CORETYPE says."""
+
+
+def _load_told_of_core(path: str, user: str) -> tuple[ctypes.CDLL, bool]:
+    """Load `path` under the user's OPENBLAS_CORETYPE `user`, and whether the library said it
+    knows no kernel set of that name: at OPENBLAS_VERBOSE 1 for the load (unless the user set
+    a level), what it writes to stderr meanwhile read back. It otherwise ignores such a name
+    without a word (a typo's SkylakX ran the SkylakeX kernels cpuid chose, the user none the
+    wiser). What was written is passed on, less the line this provoked; where stderr cannot be
+    read back (no file descriptor 2, no temporary file) the library loads as before, unasked."""
+    import sys
+    import tempfile
+
+    verbose = None if "OPENBLAS_VERBOSE" in os.environ else "1"
+    try:
+        saved = os.dup(2)  # first: with no stderr, the temporary file would take its number
+    except OSError:
+        return ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL), False
+    try:
+        captured = tempfile.TemporaryFile()  # noqa: SIM115 (closed by the `with` below)
+    except OSError:
+        os.close(saved)
+        return ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL), False
+    with captured:
+        sys.stderr.flush()
+        os.dup2(captured.fileno(), 2)
+        try:
+            with environ_for_load("OPENBLAS_VERBOSE", verbose):
+                handle = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        captured.seek(0)
+        lines = captured.read().splitlines(keepends=True)
+    not_found = (CORE_NOT_FOUND + user).encode(errors="replace")
+    unknown = any(line.rstrip(b"\r\n") == not_found for line in lines)
+    kept = [line for line in lines
+            if verbose is None or line.rstrip(b"\r\n") != not_found]  # ours to say instead
+    if kept:
+        os.write(2, b"".join(kept))
+    return handle, unknown
 
 
 @contextlib.contextmanager

@@ -71,6 +71,9 @@ _ANOTHER_BUILD_IN_USE = ("MLX builds its CPU kernels in {mlx_dir}, a link to {fo
                          "it a TMPDIR of its own to use its kernel folder, {kept}")
 _GENERIC = ("{why}: MLX's float32 matmuls run at {gflops:.0f} GFLOPS here. Fix: "
             "set OPENBLAS_CORETYPE={best} before starting, or " + blas.FIX)
+_UNKNOWN_CORE = ("OPENBLAS_CORETYPE: expected the name of one of OpenBLAS's kernel sets{best}, "
+                 "found {core!r}, which it does not know, so it runs its {used} kernels, chosen "
+                 "from this CPU; correct the name or unset it")
 # the user's OPENBLAS_CORETYPE chose the kernels: another library would obey it too
 _USERS_CORE = ("{why}: MLX's float32 matmuls run at {gflops:.0f} GFLOPS here. Fix: the "
                "environment sets {core_from}, which OpenBLAS obeys: unset it (toymlx then "
@@ -189,6 +192,11 @@ def _bind_openblas(p: _ProcessState) -> None:
         p.blas, p.library = "mkl" if lib.kind == "mkl" else "openblas", lib
         p.blas_bound = f"{len(names)} BLAS/LAPACK functions of libmlx.so"
         os.register_at_fork(after_in_parent=_restart_blas_workers)
+        if lib.unknown_core is not None:
+            best = blas.core_for_cpu(*blas.cpu_flags())
+            _warn_blas(p, _UNKNOWN_CORE.format(
+                core=lib.unknown_core, used=lib.core,
+                best="" if best is None else f" (this CPU's best: {best[0]})"))
         why = blas.generic_core(lib)
         if why is not None:
             users = (lib.core_from or "").startswith("OPENBLAS_CORETYPE=")
