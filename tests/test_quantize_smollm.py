@@ -71,7 +71,7 @@ def check_gain(said: str, regrid: bool) -> float:
     share = (base - fused) / gain
     slack = 100 * 2e-4 / gain + 0.5  # three losses rounded to 4 decimals, the share to 1%
     noise = re.match(r"the fine-tune's held-out gain on \d+ validation rows? (?:is within|cannot "
-                     r"be told from) noise \(([\d.]+) ", m[4])
+                     r"be told from) noise(?: on so few rows)? \(([\d.]+) ", m[4])
     if noise:  # no share given: the gain it names is the printed losses' (each to 4 decimals)
         assert abs(float(noise[1]) - gain) <= 1e-4 + 1e-9, said
         return share
