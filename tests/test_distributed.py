@@ -561,16 +561,24 @@ def test_a_rank_that_never_reported_is_named_by_how_mlx_launch_saw_it_end():
     assert _unreported(2, {"code": -50}) == {2: (178, "ended by signal 50")}
 
 
-def test_ctrl_c_on_a_command_that_is_not_toymlx_s_is_its_ctrl_c_and_leaves_no_files(tmp_path):
-    """... and Ctrl-C: the ranks got toymlx-train's relay of it (SIGUSR2), which killed them
-    ("ended by SIGUSR2", exit status 140); now the signal itself (a Python rank's
-    KeyboardInterrupt, 130), and no files left in TMPDIR."""
+def _sleeping_launch(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """A 2-rank launch of a plain Python command (not toymlx's) whose ranks each mark
+    `tmp_path/setupN` and sleep, with TMPDIR `tmp_path/tmp` (returned, to check it is left
+    empty)."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     rank = ("import os, sys, time; open(os.path.join(sys.argv[1], 'setup' + os.environ['MLX_RANK'])"
             ", 'w').close(); time.sleep(60)")
-    p = subprocess.Popen([*LAUNCH, sys.executable, "-c", rank, str(tmp_path)], cwd=tmp_path,
-                         stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp)})
+    return subprocess.Popen([*LAUNCH, sys.executable, "-c", rank, str(tmp_path)], cwd=tmp_path,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp)}), tmp
+
+
+def test_ctrl_c_on_a_command_that_is_not_toymlx_s_is_its_ctrl_c_and_leaves_no_files(tmp_path):
+    """... and Ctrl-C: the ranks got toymlx-train's relay of it (SIGUSR2), which killed them
+    ("ended by SIGUSR2", exit status 140); now the signal itself (a Python rank's
+    KeyboardInterrupt, 130), and no files left in TMPDIR."""
+    p, tmp = _sleeping_launch(tmp_path)
     try:
         _wait_for_setups(p, tmp_path)
         p.send_signal(signal.SIGINT)
@@ -586,12 +594,7 @@ def test_a_killed_launcher_leaves_no_folder_of_its_own(tmp_path):
     """`kill -9` of toymlx-launch with no --status-dir left its report folder
     (toymlx-launch-XXXXXXXX) in TMPDIR: only toymlx-launch removed it, as it ended. Now
     mlx.launch's child, which outlives it to stop the ranks, removes it."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    rank = ("import os, sys, time; open(os.path.join(sys.argv[1], 'setup' + os.environ['MLX_RANK'])"
-            ", 'w').close(); time.sleep(60)")
-    p = subprocess.Popen([*LAUNCH, sys.executable, "-c", rank, str(tmp_path)], cwd=tmp_path,
-                         stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp)})
+    p, tmp = _sleeping_launch(tmp_path)
     try:
         _wait_for_setups(p, tmp_path)
         launcher = [int(x) for x in subprocess.run(["pgrep", "-P", str(p.pid)],
