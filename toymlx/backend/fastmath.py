@@ -317,6 +317,21 @@ def _functions(in_kernel: bool):
         return (output * (cotangent - _row_sum(cotangent * output)),)
 
     @mx.custom_function
+    def attend(s, v):
+        p = softmax(s)
+        return p @ v, p
+
+    @attend.vjp
+    def _attend_vjp(primals, cotangents, outputs):
+        # softmax's backward row sums sum(dP * P) over the S keys; they equal sum(dO * O) over
+        # the hd values (O = P v, dP = dO v^T), a row as wide as a head (FlashAttention's D)
+        v = primals[1]
+        d_out = cotangents[0]
+        out, p = outputs
+        ds = p * (d_out @ v.swapaxes(-1, -2) - _row_sum(d_out * out))
+        return ds, p.swapaxes(-1, -2) @ d_out
+
+    @mx.custom_function
     def logsumexp(x):
         m = x.max(-1, keepdims=True)
         m = mx.where(mx.isinf(m), 0.0, m)  # all -inf rows: log(0) = -inf, not NaN (-inf - -inf)
@@ -328,7 +343,7 @@ def _functions(in_kernel: bool):
         return (cotangent * _exp(x - output, in_kernel=in_kernel),)
 
     return types.SimpleNamespace(exp=exp, erf=erf, sigmoid=sigmoid, silu=silu, gelu=gelu,
-                                 softmax=softmax, logsumexp=logsumexp)
+                                 softmax=softmax, attend=attend, logsumexp=logsumexp)
 
 
 # Each function below takes `in_kernel`: False (the default) computes exp and erf from the
@@ -408,7 +423,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     if not causal or (T == 1 and (window is None or S <= window)):
         s = q.reshape(B, n_kv, rep * T, hd) @ k.swapaxes(-1, -2)  # (B,Hkv,rep*T,S)
         s = _capped(s, softcap)
-        return (softmax(s, in_kernel) @ v).reshape(B, H, T, hd)  # (B,H,T,hd)
+        return _attend(s, v, in_kernel).reshape(B, H, T, hd)  # (B,H,T,hd)
     outs = []
     # the query blocks as one split: its backward pass concatenates their gradients, where a
     # slice's writes each into a zero-filled copy of the whole q and the copies are summed (a
@@ -422,8 +437,13 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
         dist = mx.arange(S - T + a, S - T + b)[:, None] - mx.arange(end)[None]  # (b-a,end)
         keep = dist >= 0 if window is None else (dist >= 0) & (dist < window)
         s = mx.where(mx.tile(keep, (rep, 1)), s, -mx.inf)
-        outs.append((softmax(s, in_kernel) @ v[:, :, :end]).reshape(B, H, b - a, hd))
+        outs.append(_attend(s, v[:, :, :end], in_kernel).reshape(B, H, b - a, hd))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)  # (B,H,T,hd)
+
+
+def _attend(s: mx.array, v: mx.array, in_kernel: bool) -> mx.array:
+    """softmax(s) v over the last axis of the scores s."""
+    return _functions(in_kernel).attend(s, v)[0]
 
 
 def _capped(s: mx.array, softcap: float | None) -> mx.array:
