@@ -1,5 +1,9 @@
 """toymlx: train and fine-tune small models with MLX, exchange them with llama.cpp as GGUF."""
 
+from toymlx.backend import aligned_buffers as _aligned_buffers
+
+_ALIGNED_BUFFERS = _aligned_buffers.install()  # before mlx.core: see toymlx.backend.aligned_buffers
+
 try:
     import mlx.core as _mx  # noqa: F401
 except ImportError as _e:  # no backend library (Linux: mlx without its [cpu]/[cuda] extra)

@@ -28,9 +28,13 @@ import struct
 from collections.abc import Callable
 
 _JUMP_SLOT = {62: 7, 183: 1026}
+_GLOB_DAT = {62: 6, 183: 1025}
+"""The relocation types of a PLT slot and of a GOT entry (a function whose address the library
+takes, called through the entry), by e_machine: x86-64, aarch64."""
 """e_machine -> the relocation type of a PLT slot: x86-64 (R_X86_64_JUMP_SLOT), aarch64
 (R_AARCH64_JUMP_SLOT)."""
 _SHT_RELA = 4
+_SHT_SYMTAB = 2
 _RTLD_DI_LINKMAP = 2
 
 
@@ -46,9 +50,10 @@ class _DlInfo(ctypes.Structure):
 _libc = ctypes.CDLL(None)
 
 
-def plt_slots(path: str | os.PathLike) -> dict[str, int]:
+def plt_slots(path: str | os.PathLike, kinds: dict[int, int] = _JUMP_SLOT) -> dict[str, int]:
     """{symbol: offset of its PLT slot from the load base} of a 64-bit little-endian ELF shared
-    library; raises OSError naming the file where it is not one or has no section headers."""
+    library (with `kinds` `_GLOB_DAT`: of its GOT entries); raises OSError naming the file where
+    it is not one or has no section headers."""
     with open(path, "rb") as f:  # mapped, not read: a 30 MB read and free would move glibc's
         # dynamic mmap threshold for the whole process (TOYMLX_MALLOC=default would not be)
         try:
@@ -56,10 +61,10 @@ def plt_slots(path: str | os.PathLike) -> dict[str, int]:
         except ValueError:  # an empty file
             raise OSError(f"{path}: expected a 64-bit little-endian ELF file") from None
     with data:
-        return _slots(path, data)
+        return _slots(path, data, kinds)
 
 
-def _slots(path: str | os.PathLike, data: mmap.mmap) -> dict[str, int]:
+def _slots(path: str | os.PathLike, data: mmap.mmap, kinds: dict[int, int]) -> dict[str, int]:
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         raise OSError(f"{path}: expected a 64-bit little-endian ELF file")
     machine, = struct.unpack_from("<H", data, 0x12)
@@ -81,7 +86,7 @@ def _slots(path: str | os.PathLike, data: mmap.mmap) -> dict[str, int]:
         for at in range(offset, offset + size - 23, 24):  # Elf64_Rela, read in place
             r_offset, r_info = struct.unpack_from("<QQ", data, at)
             symbol = r_info >> 32
-            if r_info & 0xFFFFFFFF != _JUMP_SLOT[machine] or symbol == 0:
+            if r_info & 0xFFFFFFFF != kinds[machine] or symbol == 0:
                 continue
             name_at = strtab + struct.unpack_from("<I", data, symtab[4] + symbol * 24)[0]
             slots[data[name_at:data.find(b"\0", name_at)].decode()] = r_offset
@@ -152,3 +157,69 @@ def rebind(library: str, target: Callable[[str], int | None]) -> list[str]:
     for _, slot, address in plan:
         ctypes.c_void_p.from_address(slot).value = address
     return [name for name, _, _ in plan]
+
+
+def rebind_calls(library: str, addresses: dict[str, int]) -> None:
+    """Point the loaded `library`'s calls of each {symbol: address} there: its PLT slot, or,
+    for a function whose address the library takes (a GOT entry: libmlx.so's `free`), that
+    entry, whose page the loader made read-only (RELRO) and which is opened for the write and
+    closed again. Raises OSError (the reason) where the library is not loaded, a symbol has
+    neither, or a page cannot be opened; nothing is written then."""
+    path = loaded_library(library)
+    if path is None:
+        raise OSError(f"{library} is not loaded in this process")
+    base = _load_base(path)
+    plt, got = plt_slots(path), plt_slots(path, _GLOB_DAT)
+    plan = []
+    for name, address in addresses.items():
+        offset = plt.get(name, got.get(name))
+        if offset is None:
+            raise OSError(f"{path}: no PLT slot or GOT entry for {name}")
+        plan.append((base + offset, address))
+    pages = {slot & -mmap.PAGESIZE for slot, _ in plan}
+    writable = [(lo, hi) for lo, hi, perms, _ in _mappings() if perms[1] == "w"]
+    closed = [page for page in pages if not any(lo <= page < hi for lo, hi in writable)]
+    mprotect = _libc.mprotect
+    mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    read, write = 1, 2  # PROT_READ, PROT_WRITE
+    for page in closed:
+        if mprotect(page, mmap.PAGESIZE, read | write) != 0:
+            raise OSError(f"{path}: its GOT page at {page:#x} cannot be made writable")
+    try:
+        for slot, address in plan:
+            ctypes.c_void_p.from_address(slot).value = address
+    finally:
+        for page in closed:
+            mprotect(page, mmap.PAGESIZE, read)
+
+
+def symbol_offset(path: str | os.PathLike, name: str) -> int | None:
+    """The offset from the load base of `name` in the ELF file's full symbol table (`.symtab`,
+    which holds the library's local symbols too); None where the file has none or no such
+    symbol (a stripped library)."""
+    with open(path, "rb") as f:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    with data:
+        shoff, = struct.unpack_from("<Q", data, 0x28)
+        shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+        sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize)
+                    for i in range(shnum)]
+        wanted = name.encode()
+        for _, kind, _, _, offset, size, link, _, _, _ in sections:
+            if kind != _SHT_SYMTAB:
+                continue
+            strtab = sections[link][4]
+            for at in range(offset, offset + size - 23, 24):  # Elf64_Sym
+                st_name, = struct.unpack_from("<I", data, at)
+                start = strtab + st_name
+                if data[start:start + len(wanted) + 1] == wanted + b"\0":
+                    return struct.unpack_from("<Q", data, at + 8)[0]
+    return None
+
+
+def loaded_byte(library: str, offset: int) -> int:
+    """The byte at `offset` from the loaded `library`'s base."""
+    path = loaded_library(library)
+    if path is None:
+        raise OSError(f"{library} is not loaded in this process")
+    return ctypes.c_uint8.from_address(_load_base(path) + offset).value

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from toymlx.backend import (
+    aligned_buffers,
     atomic,
     blas,
     blas_rebind,
@@ -100,6 +101,9 @@ class _ProcessState:
     library: blas.Library | None = None
     """The BLAS loaded for MLX (Linux), to read its kernels and set its threads."""
     malloc: str = "default"
+    aligned_buffers: str | None = None
+    """Whether MLX's CPU arrays start on 64-byte boundaries (`toymlx.backend.aligned_buffers`):
+    on, off (why)."""
     bfs_max_width: str | None = None
     kernel_cache: str | None = None
     kernel_folder_users: dict[Path, int] = field(default_factory=dict)
@@ -145,6 +149,7 @@ def bind_blas() -> dict:
             p.blas = "reference"
         else:
             _bind_openblas(p)
+        p.aligned_buffers = aligned_buffers.install()
     return {"name": p.blas, "path": p.library.path if p.library else None}
 
 
@@ -231,7 +236,8 @@ def check_bfs_width(text: str | None) -> None:
 
 
 SWITCHES = {"TOYMLX_KERNEL_PCH": ("off", "on"), "TOYMLX_KERNEL_LOOPS": ("off", "on"),
-            "TOYMLX_GEMV_FORWARD": ("off", "on"), "TOYMLX_MALLOC": ("default", "glibc-retain")}
+            "TOYMLX_GEMV_FORWARD": ("off", "on"), "TOYMLX_ALIGNED_BUFFERS": ("off", "on"),
+            "TOYMLX_MALLOC": ("default", "glibc-retain")}
 """The environment's switches of toymlx's own CPU code: (the value each reads, what it is
 unset: backend_info's word)."""
 
@@ -1015,6 +1021,8 @@ def backend_info() -> dict:
         info["kernel_forms"] = p.kernel_forms
     if p.gemv_forward:
         info["gemv_forward"] = p.gemv_forward
+    if p.aligned_buffers:
+        info["aligned_buffers"] = p.aligned_buffers
     if p.blas_bound:
         info["blas_bound"] = p.blas_bound
     if blas_threads() is not None:

@@ -11,7 +11,7 @@ does the same for any, one-row products only.
 
 How: `gemv_forward.c` defines `toymlx_sgemm`, a `cblas_sgemm` that hands one-row products
 (M = 1) to the BLAS's `cblas_sgemv` and everything else to its `cblas_sgemm`. `install`
-compiles it once with the system C compiler (MLX's CPU backend needs one for its own kernels)
+compiles it once (`toymlx.backend.native`)
 into the toymlx cache and points it at the BLAS; `toymlx.backend.device.bind_blas` then writes
 its address into libmlx.so's `cblas_sgemm` slot (`toymlx.backend.blas_rebind`). Training's
 matmuls (thousands of rows) go through unchanged. Without a compiler, or with
@@ -23,52 +23,15 @@ product (Intel Xeon, 2 cores).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from toymlx.backend import native
+
 SOURCE = Path(__file__).with_name("gemv_forward.c")
 _lib: ctypes.CDLL | None = None
-
-
-def cache_dir() -> Path:
-    """`$XDG_CACHE_HOME/toymlx/native` (default `~/.cache/toymlx/native`)."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "toymlx" / "native"
-
-
-def _compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return cc
-    return None
-
-
-def build() -> Path:
-    """The compiled forwarder, built on first use (named after its source, so an edit rebuilds
-    it); raises OSError with the reason where it cannot be built."""
-    code = SOURCE.read_bytes()
-    lib = cache_dir() / f"libtoymlx_gemv_forward-{hashlib.sha256(code).hexdigest()[:12]}.so"
-    if lib.exists():
-        return lib
-    cc = _compiler()
-    if cc is None:
-        raise OSError("no C compiler (cc, gcc or clang) on PATH")
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    tmp = lib.with_name(f".{lib.name}.{os.getpid()}")  # concurrent builders each rename theirs
-    try:
-        done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE),
-                               "-ldl"], check=False, capture_output=True, text=True,
-                              timeout=120)
-        if done.returncode != 0:
-            raise OSError(f"{cc} failed: {' '.join(done.stderr.split())[:300]}")
-        os.replace(tmp, lib)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return lib
 
 
 def install(blas_path: str, prefix: str = "") -> str:
@@ -82,7 +45,7 @@ def install(blas_path: str, prefix: str = "") -> str:
     if os.environ.get("TOYMLX_GEMV_FORWARD") == "off":
         return "off (TOYMLX_GEMV_FORWARD=off)"
     try:
-        path = build()
+        path = native.build(SOURCE)
         lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
         names = [f"{prefix}cblas_sgemm", f"{prefix}cblas_sgemv"]
         if lib.toymlx_gemv_forward_init(blas_path.encode(), *(n.encode() for n in names)) != 0:
