@@ -92,3 +92,25 @@ def test_the_shim_tells_its_blocks_from_glibcs():
     theirs = libc.malloc(1 << 20)
     for p in (big, small, theirs, None):  # each freed by the free that owns it (or nothing)
         lib.toymlx_free(p)
+
+
+def test_libraries_loaded_later_do_not_get_mlxs_reference_blas():
+    """The shim loads libmlx.so before mlx.core does, in a scope of its own: loaded globally,
+    its reference BLAS answered the BLAS calls of every library loaded after (PyTorch's CPU
+    steps ran 40x slower in the benchmark's child)."""
+    code = """
+import ctypes, json
+import toymlx
+from toymlx.backend.blas_rebind import library_of
+libc = ctypes.CDLL(None)
+found = {}
+for name in ("cblas_sgemm", "sgemm_", "sgetrf_"):
+    f = getattr(libc, name, None)
+    found[name] = None if f is None else library_of(ctypes.cast(f, ctypes.c_void_p).value)
+print(json.dumps(found))
+"""
+    r = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    found = json.loads(r.stdout.strip().splitlines()[-1])
+    assert not any(path and "mlx_cpu.libs" in path for path in found.values()), found

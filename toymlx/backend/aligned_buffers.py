@@ -54,7 +54,9 @@ def install() -> str:
         mlx = _libmlx()
         if mlx is None:
             return "off (no libmlx.so in the mlx package)"
-        ctypes.CDLL(str(mlx), mode=ctypes.RTLD_GLOBAL)  # what mlx.core's module loads
+        # loaded as mlx.core's module will find it, in its own scope: global, its reference
+        # BLAS would answer the BLAS calls of libraries loaded later (PyTorch's: 40x slower)
+        ctypes.CDLL(str(mlx), mode=ctypes.RTLD_LOCAL)
         # MLX's allocator, built at its first use, keeps the free that libmlx.so's GOT held
         # then (its buffer cache frees through it): only one built after the rebinding frees
         # these buffers with the free that knows them
