@@ -302,7 +302,15 @@ install_toymlx() {
   rm -f "$stamp"
   remove_other_backends
   say "pip install -e '$spec' into $ENV"
-  "$ENV/bin/python" -m pip install -e "$spec" || die "pip install -e '$spec' failed (see above)"
+  # llama.cpp (built by the interop extra's llama-cpp-python) without its AMX kernels where the
+  # CPU lists AMX: a VM may list it yet not give a process the tile state, and llama.cpp's first
+  # product on AMX tiles then kills the process with SIGILL (Intel Xeon model 207, session 62)
+  local no_amx=""
+  if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+    no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  fi
+  CFLAGS="${CFLAGS-$no_amx}" CXXFLAGS="${CXXFLAGS-$no_amx}" \
+    "$ENV/bin/python" -m pip install -e "$spec" || die "pip install -e '$spec' failed (see above)"
   printf '%s\n' "$want" >"$stamp"
 }
 
