@@ -2,7 +2,7 @@
 
 from toymlx.backend import aligned_buffers as _aligned_buffers
 
-_ALIGNED_BUFFERS = _aligned_buffers.install()  # before mlx.core: see toymlx.backend.aligned_buffers
+_aligned_buffers.install()  # before mlx.core loads: see toymlx.backend.aligned_buffers
 
 try:
     import mlx.core as _mx  # noqa: F401

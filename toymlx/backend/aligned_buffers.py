@@ -33,17 +33,23 @@ from pathlib import Path
 from toymlx.backend import blas_rebind, native
 
 SOURCE = Path(__file__).with_name("aligned_buffers.c")
-_lib: ctypes.CDLL | None = None
+_lib: list[ctypes.CDLL] = []
+_result: str | None = None
 ALLOCATOR_GUARD = "_ZGVZN3mlx4core9allocator16common_allocatorEvE10allocator_"
 """The guard of MLX's CPU allocator (a function-local static): nonzero once it is built."""
 
 
 def install() -> str:
     """Align the buffers MLX allocates; call it before `mlx.core` is imported (`toymlx/__init__`
-    does). Returns what `backend_info` records: "on", or "off (<reason>)"."""
-    global _lib
-    if _lib is not None:
-        return "on"
+    does). Returns what `backend_info` records: "on", or "off (<reason>)", decided at the first
+    call (a later one returns it)."""
+    global _result
+    if _result is None:
+        _result = _install()
+    return _result
+
+
+def _install() -> str:
     if sys.platform != "linux":
         return "off (Linux only)"
     if os.environ.get("TOYMLX_MALLOC") == "default":
@@ -68,11 +74,13 @@ def install() -> str:
         lib = ctypes.CDLL(str(native.build(SOURCE)), mode=ctypes.RTLD_LOCAL)
         address = {name: ctypes.cast(getattr(lib, f"toymlx_{name}"), ctypes.c_void_p).value
                    for name in ("free", "malloc")}
-        blas_rebind.rebind_calls("libmlx.so", {"free": address["free"]})
-        blas_rebind.rebind_calls("libmlx.so", {"malloc": address["malloc"]})
+        # free first (written in this order): a buffer malloc gave before is glibc's, which
+        # the new free hands to glibc's
+        blas_rebind.rebind_calls("libmlx.so", {"free": address["free"],
+                                               "malloc": address["malloc"]})
     except (OSError, subprocess.SubprocessError) as e:
         return f"off ({' '.join(str(e).split())[:200]})"
-    _lib = lib
+    _lib.append(lib)  # kept loaded: libmlx.so calls into it from now on
     return "on"
 
 

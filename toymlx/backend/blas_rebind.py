@@ -160,7 +160,7 @@ def rebind(library: str, target: Callable[[str], int | None]) -> list[str]:
 
 
 def rebind_calls(library: str, addresses: dict[str, int]) -> None:
-    """Point the loaded `library`'s calls of each {symbol: address} there: its PLT slot, or,
+    """Point the loaded `library`'s calls of each {symbol: address} there, in the order given: its PLT slot, or,
     for a function whose address the library takes (a GOT entry: libmlx.so's `free`), that
     entry, whose page the loader made read-only (RELRO) and which is opened for the write and
     closed again. Raises OSError (the reason) where the library is not loaded, a symbol has
