@@ -51,9 +51,10 @@ def test_freed_buffers_are_reused_not_faulted_in_again():
     assert tuned["malloc"] == "glibc-retain" and plain["malloc"] == "default"
     # 10 steps of ~100 MiB: glibc's own settings give some of it back to the system every
     # step and fault it in again (25,600 faults here), the retained heap reuses the first
-    # step's pages
+    # step's pages: not one 4 MiB buffer (1,024 pages) is faulted in again (with the aligned
+    # buffers' posix_memalign, the heap grew by one every few steps)
     assert plain["faults"] > 10_000, plain
-    assert tuned["faults"] < plain["faults"] / 10, (tuned, plain)
+    assert tuned["faults"] < 1024, (tuned, plain)
 
 
 def test_gguf_load_keeps_one_copy_resident(tmp_path):
