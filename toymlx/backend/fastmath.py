@@ -324,7 +324,8 @@ def _functions(in_kernel: bool):
     @attend.vjp
     def _attend_vjp(primals, cotangents, outputs):
         # softmax's backward row sums sum(dP * P) over the S keys; they equal sum(dO * O) over
-        # the hd values (O = P v, dP = dO v^T), a row as wide as a head (FlashAttention's D)
+        # the hd values (O = P v, dP = dO v^T), a row as wide as a head (FlashAttention's D);
+        # the price: the output is kept for the backward pass (`toymlx.training.memory` counts it)
         v = primals[1]
         d_out = cotangents[0]
         out, p = outputs

@@ -34,7 +34,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 
-from toymlx.backend.device import on_gpu
+from toymlx.backend.device import backend_info, on_gpu
 from toymlx.backend.files import counted, not_a_file
 from toymlx.backend.progress import draws_bars
 from toymlx.bundle import model_store
@@ -513,13 +513,14 @@ def build(cfg: Config, ops: Ops) -> Task:
         trained = block_tensors(g.tensors, trained_blocks) if some else frozenset()
 
         streams = memory.step_streams(cfg.cpu_streams, cfg.batch_size)
+        blas = backend_info().get("blas")  # the CPU's BLAS holds memory of its own (None: GPU)
 
         def step_estimate(held: str) -> memory.Estimate:
             return memory.estimate(
                 g, held=held, full=full, targets=targets,
                 rank=cfg.lora.rank, layers=cfg.full.layers if full else cfg.lora.layers,
                 dora=cfg.fine_tune_type == "dora", batch_size=cfg.batch_size,
-                seq_len=cfg.seq_len, ops=ops, streams=streams)
+                seq_len=cfg.seq_len, ops=ops, streams=streams, blas=blas)
 
         dtype = "float32" if full and not some else resolve_base_dtype(
             cfg.base_dtype, on_gpu(), cfg.grad_checkpoint, lambda held: step_estimate(held).total)

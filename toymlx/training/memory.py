@@ -27,10 +27,10 @@ The estimate adds, in bytes:
   matrix of a block whole, or `Ops.decode_slice` values of it, `DECODED_COPIES` float32 copies;
   or a mixture of experts' largest 3-D expert tensor whole, `EXPERT_DECODED_COPIES` copies;
   each CPU stream the step runs on decodes its own (`step_streams`).
-- runtime: Python, MLX and the data (`RUNTIME_BYTES`), the tokenizer (`TOKENIZER_BYTES` a
-  vocabulary token) and the heap kept beyond MLX's arrays (`HEAP_BYTES` a unit of width and
-  token a CPU stream runs, `FULL_HEAP_BYTES` a fully trained value and CPU stream:
-  `runtime_bytes`).
+- runtime: Python, MLX and the data (`RUNTIME_BYTES`), MKL where it is the BLAS
+  (`BLAS_BYTES`), the tokenizer (`TOKENIZER_BYTES` a vocabulary token) and the heap kept beyond
+  MLX's arrays (`HEAP_BYTES` a unit of width and token a CPU stream runs, `FULL_HEAP_BYTES` a
+  fully trained value and CPU stream: `runtime_bytes`).
 It is an estimate, written to refuse runs that cannot fit, not to predict a peak to the MB.
 """
 
@@ -49,9 +49,14 @@ from toymlx.models.llama import LlamaArgs, attention_values
 from toymlx.models.losses import head_slices, logits_chunk
 from toymlx.models.ops import Ops
 
-RUNTIME_BYTES = 96 * 2**20
+RUNTIME_BYTES = 112 * 2**20
 """What a run's RSS holds beyond MLX's arrays and the tokenizer whatever the model: the
 interpreter and libraries, the GGUF's header, what `toymlx-train` holds before the base loads.
+Session 63 (Intel Xeon model 207, 2 cores, scipy-openblas32's SkylakeX kernels: the BLAS
+`RUNTIME_BYTES` stands for; MKL's own is `BLAS_BYTES`): SmolLM2-135M's LoRA q in blocks peaked
+at 586 MiB of RSS at 1 x 256 and 1,487-1,490 at 4 x 256, 0-8 over the count with 96 MiB (the
+first session with MLX's arrays 64-byte aligned, `toymlx.backend.aligned_buffers`, 2-8 MiB
+of heap more in A/B runs); 112 is 16 more.
 Measured (session 58, AMD EPYC, 2 cores shared; /proc/PID/status sampled every 20 ms): the
 LoRA command on SmolLM2-135M at 84-92 MiB until its weights load (importing toymlx and MLX:
 62). Session 57's 160 MiB (86 outside the heap, 48-83 of the heap in use beyond MLX's arrays)
@@ -97,6 +102,13 @@ MLX's peak on one stream (`--cpu-streams 1`: 3,478 against 3,191) and 441 on two
 against 3,529): the second stream 154 MiB more where the tokens a stream runs (half) count 36
 less, 1.5 bytes a trained value. Counted once a run until session 60: the two-stream step
 estimated 3,960 MiB against 3,939-3,976 (session 59, 6 runs) and 3,970; now 4,069."""
+BLAS_BYTES = {"mkl": 40 * 2**20}
+"""Bytes of RSS a CPU BLAS holds beyond `RUNTIME_BYTES`' (measured with OpenBLAS), by the name
+the process bound (`backend_info()["blas"]`): MKL's larger libraries and its kept work buffers.
+Measured (session 63, Intel Xeon model 207, 2 cores, MKL 2026.2; `/usr/bin/time -v`):
+SmolLM2-135M's LoRA q 4 x 256 in blocks peaked at 1,517-1,521 MiB of RSS with MKL and 1,487 with
+scipy-openblas32 (`TOYMLX_BLAS=openblas`), the same code; 40 counts the runs' spread of 4 over
+that."""
 ADAPTER_TRAINED_BYTES = 16
 """Bytes an adapter value takes while it trains: itself, its gradient and AdamW's two moments,
 float32 (the base does not hold it)."""
@@ -247,7 +259,10 @@ def _block_values(a: LlamaArgs, seq_len: int, ops: Ops, targets: tuple[str, ...]
     7,290 values with them), unless they are few enough to keep (`Ops.keeps_attention`): then
     the probabilities (q and k rotated take the place of q and k as projected; RoPE's backward
     pass reads neither) and with qk_norm q and k before their norms; or the block is the one
-    `--grad-checkpoint` is recomputing, which keeps them all. Gemma4's shared-KV tail
+    `--grad-checkpoint` is recomputing, which keeps them all. Kept attention keeps its output
+    too: its backward pass sums dO * O over a head's width (`toymlx.backend.fastmath.attention`;
+    session 63, SmolLM2-135M's LoRA q 4 x 256: 62-64 MiB of peak RSS more than sums over the
+    keys, which read no output; these count 71). Gemma4's shared-KV tail
     recomputes its attention too (`Attention.__call__` with an earlier block's keys and
     values); its blocks keep `GEMMA4_BLOCK_D_VALUES` more d-wide arrays."""
     n, d = a.n_layers, a.d_model
@@ -271,8 +286,8 @@ def _block_values(a: LlamaArgs, seq_len: int, ops: Ops, targets: tuple[str, ...]
     normed = q + kv if a.qk_norm or a.qk_norm_whole else 0  # q and k before their norms
     if ops.grad_checkpoint:
         return kept + attention + normed
-    if ops.keeps_attention(attention):
-        return kept + attention_probabilities(a, seq_len) + normed
+    if ops.keeps_attention(attention):  # and its output: softmax's backward row sums read it
+        return kept + attention_probabilities(a, seq_len) + q + normed
     return kept
 
 
@@ -324,10 +339,11 @@ def base_bytes(g: GGUFFile, held: str, trained: frozenset[str] = frozenset()) ->
 
 def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], rank: int,
              layers: int | None, dora: bool, batch_size: int, seq_len: int, ops: Ops,
-             streams: int = 1) -> Estimate:
+             streams: int = 1, blas: str | None = None) -> Estimate:
     """The peak of one training step of the model in `g` with these options, computed with
     `ops` (the run's math: its dtype, `--grad-checkpoint`, decode slices and what attention
-    keeps) on `streams` CPU streams (`step_streams`; module docstring)."""
+    keeps) on `streams` CPU streams (`step_streams`) with the CPU BLAS `blas` (its name in
+    `backend_info()`; None on a GPU) (module docstring)."""
     a = args_from_gguf(g)
     tokens = batch_size * seq_len
     width = _WIDTH.get(ops.dtype, 4)
@@ -381,7 +397,7 @@ def estimate(g: GGUFFile, *, held: str, full: bool, targets: tuple[str, ...], ra
                    and tensor_route(g, name, held, train) == "blocks"), default=0)
     decoded = max(min(largest, ops.decode_slice or largest) * DECODED_COPIES,
                   experts * EXPERT_DECODED_COPIES) * 4 * streams
-    return Estimate(base, trained, acts, logits, decoded, runtime_bytes(a, share, n, streams))
+    return Estimate(base, trained, acts, logits, decoded, runtime_bytes(a, share, n, streams, blas))
 
 
 def head_chunk_gradients(a: LlamaArgs, share: int, chunk: int, trained: int) -> int:
@@ -403,13 +419,16 @@ def block_values(g: GGUFFile, blocks: range) -> int:
                 for i in blocks), default=0)
 
 
-def runtime_bytes(a: LlamaArgs, share: int, trained: int = 0, streams: int = 1) -> int:
+def runtime_bytes(a: LlamaArgs, share: int, trained: int = 0, streams: int = 1,
+                  blas: str | None = None) -> int:
     """What a run of the model `a` holds beyond MLX's arrays at its peak, its steps running
-    `share` tokens on each of `streams` CPU streams and fully training `trained` values:
-    `RUNTIME_BYTES`, the tokenizer's `TOKENIZER_BYTES` a vocabulary token, `HEAP_BYTES` a unit
-    of width and token and `FULL_HEAP_BYTES` a trained value and stream."""
+    `share` tokens on each of `streams` CPU streams and fully training `trained` values, with
+    the CPU BLAS named `blas` (None on a GPU): `RUNTIME_BYTES`, the tokenizer's
+    `TOKENIZER_BYTES` a vocabulary token, `HEAP_BYTES` a unit of width and token,
+    `FULL_HEAP_BYTES` a trained value and stream, and `BLAS_BYTES` for that BLAS."""
     return (RUNTIME_BYTES + TOKENIZER_BYTES * a.vocab_size
-            + HEAP_BYTES * a.d_model * share + FULL_HEAP_BYTES * trained * streams)
+            + HEAP_BYTES * a.d_model * share + FULL_HEAP_BYTES * trained * streams
+            + BLAS_BYTES.get(blas or "", 0))
 
 
 def step_streams(requested: int, batch_size: int) -> int:
