@@ -181,7 +181,8 @@ def test_lora_steps_are_estimated_at_or_over_their_measured_peak_rss(tmp_path):
     float32 base 935-936 (3 runs), in blocks 555-557 (3); 4 x 256 (two streams) 1,793 and 1,413;
     the Llama-3.2-1B shape, q,v, 1 x 512 --grad-checkpoint, in blocks 1,271-1,272 (2), float32
     4,669. SmolLM2's were estimated 1,045, 634, 1,853 and 1,452 (12% and 14% over at 1 x 256),
-    the 1B's 1,312 and 4,712. Session 63 (Intel Xeon model 207, 2 cores), since attention's
+    the 1B's 1,312 and 4,712. Session 63 (Intel Xeon model 207, 2 cores; the 1B in blocks
+    with MKL 1,301, `benchmarks/memory.py --only 1b-1x512`), since attention's
     backward pass reads its output (kept: 17.7 MiB at 1 x 256, 71 at 4 x 256): SmolLM2 with
     scipy-openblas32 1 x 256 973 and 586, 4 x 256 1,877 and 1,487-1,490, 8 x 128 float32 1,790;
     with MKL (`memory.BLAS_BYTES`) 987, 597, 1,905 and 1,517-1,521: estimated 0.4-3% under
@@ -206,12 +207,13 @@ def test_lora_steps_are_estimated_at_or_over_their_measured_peak_rss(tmp_path):
              grad_checkpoint=True)  # the run's math
     base = {}
     with GGUFFile(one_b) as g:
-        for held, peak in (("blocks", 1272), ("float32", 4669)):
-            measured[("amd", 1, f"1B {held}")] = peak
+        for blas, held, peak in (("amd", "blocks", 1272), ("amd", "float32", 4669),
+                                 ("mkl", "blocks", 1301)):
+            measured[(blas, 1, f"1B {held}")] = peak
             e = memory.estimate(g, held=held, full=False, targets=("q", "v"), rank=8,
                                 layers=None, dora=False, batch_size=1, seq_len=512, ops=gc,
-                                blas="openblas")
-            got[("amd", 1, f"1B {held}")] = round(e.total / 2**20)
+                                blas=blas.replace("amd", "openblas"))
+            got[(blas, 1, f"1B {held}")] = round(e.total / 2**20)
             base[held] = e.base
     # these headers' matrices all Q4_1 and Q4_K (the real files' estimates: 1,005, 594, 1,898,
     # 1,498, MKL's 40 more; 1,376 and 4,776. Were 971, 560, 1,815, 1,414, 1,360 and 4,760
@@ -227,6 +229,7 @@ def test_lora_steps_are_estimated_at_or_over_their_measured_peak_rss(tmp_path):
     # run_start), not this header's 592; SmolLM2's its token table as Q8_0: 92 MiB, not 80
     assert round(base["blocks"] / 2**20) == 592
     got[("amd", 1, "1B blocks")] += 648 - 592
+    got[("mkl", 1, "1B blocks")] += 648 - 592
     with GGUFFile(path) as g:
         assert round(memory.base_bytes(g, "blocks") / 2**20) == 80
     for k in got:
