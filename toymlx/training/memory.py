@@ -106,9 +106,9 @@ BLAS_BYTES = {"mkl": 40 * 2**20}
 """Bytes of RSS a CPU BLAS holds beyond `RUNTIME_BYTES`' (measured with OpenBLAS), by the name
 the process bound (`backend_info()["blas"]`): MKL's larger libraries and its kept work buffers.
 Measured (session 63, Intel Xeon model 207, 2 cores, MKL 2026.2; `/usr/bin/time -v`):
-SmolLM2-135M's LoRA q 4 x 256 in blocks peaked at 1,517-1,521 MiB of RSS with MKL and 1,487 with
-scipy-openblas32 (`TOYMLX_BLAS=openblas`), the same code; 40 counts the runs' spread of 4 over
-that."""
+SmolLM2-135M's LoRA q 4 x 256 in blocks peaked at 1,517-1,521 MiB of RSS with MKL and
+1,487-1,490 with scipy-openblas32 (`TOYMLX_BLAS=openblas`), the same code: 27-34 MiB more (11-14
+at 1 x 256); 40 leaves room for the runs' spread."""
 ADAPTER_TRAINED_BYTES = 16
 """Bytes an adapter value takes while it trains: itself, its gradient and AdamW's two moments,
 float32 (the base does not hold it)."""
@@ -262,7 +262,7 @@ def _block_values(a: LlamaArgs, seq_len: int, ops: Ops, targets: tuple[str, ...]
     `--grad-checkpoint` is recomputing, which keeps them all. Kept attention keeps its output
     too: its backward pass sums dO * O over a head's width (`toymlx.backend.fastmath.attention`;
     session 63, SmolLM2-135M's LoRA q 4 x 256: 62-64 MiB of peak RSS more than sums over the
-    keys, which read no output; these count 71). Gemma4's shared-KV tail
+    keys, which read no output; these count 67.5). Gemma4's shared-KV tail
     recomputes its attention too (`Attention.__call__` with an earlier block's keys and
     values); its blocks keep `GEMMA4_BLOCK_D_VALUES` more d-wide arrays."""
     n, d = a.n_layers, a.d_model
