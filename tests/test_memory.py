@@ -183,7 +183,7 @@ def test_lora_steps_are_estimated_at_or_over_their_measured_peak_rss(tmp_path):
     4,669. SmolLM2's were estimated 1,045, 634, 1,853 and 1,452 (12% and 14% over at 1 x 256),
     the 1B's 1,312 and 4,712. Session 63 (Intel Xeon model 207, 2 cores; the 1B in blocks
     with MKL 1,301, `benchmarks/memory.py --only 1b-1x512`), since attention's
-    backward pass reads its output (kept: 17.7 MiB at 1 x 256, 71 at 4 x 256): SmolLM2 with
+    backward pass reads its output (kept: 16.9 MiB at 1 x 256, 67.5 at 4 x 256): SmolLM2 with
     scipy-openblas32 1 x 256 973 and 586, 4 x 256 1,877 and 1,487-1,490, 8 x 128 float32 1,790;
     with MKL (`memory.BLAS_BYTES`) 987, 597, 1,905 and 1,517-1,521: estimated 0.4-3% under
     before (no output, no MKL, 96 MiB of runtime). Now within 10% and never under."""
