@@ -160,10 +160,10 @@ def rebind(library: str, target: Callable[[str], int | None]) -> list[str]:
 
 
 def rebind_calls(library: str, addresses: dict[str, int]) -> None:
-    """Point the loaded `library`'s calls of each {symbol: address} there, in the order given: its PLT slot, or,
-    for a function whose address the library takes (a GOT entry: libmlx.so's `free`), that
-    entry, whose page the loader made read-only (RELRO) and which is opened for the write and
-    closed again. Raises OSError (the reason) where the library is not loaded, a symbol has
+    """Point the loaded `library`'s calls of each {symbol: address} there, in the order given:
+    its PLT slot, or, for a function whose address the library takes (a GOT entry: libmlx.so's
+    `free`), that entry, whose page the loader made read-only (RELRO) and which is opened for
+    the write and closed again. Raises OSError (the reason) where the library is not loaded, a symbol has
     neither, or a page cannot be opened; nothing is written then."""
     path = loaded_library(library)
     if path is None:

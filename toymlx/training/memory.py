@@ -293,7 +293,8 @@ def _block_values(a: LlamaArgs, seq_len: int, ops: Ops, targets: tuple[str, ...]
 
 def attention_probabilities(a: LlamaArgs, seq_len: int) -> int:
     """Of `attention_values`, the heads' probabilities: what a block that keeps its attention
-    keeps beyond q, k and v (their rotated forms take the place of the projected ones)."""
+    keeps beyond q, k and v (their rotated forms take the place of the projected ones) and its
+    output (`_block_values` adds that)."""
     return attention_values(a, seq_len) - (2 * a.n_heads * a.head_dim + a.n_kv_heads * a.head_dim)
 
 
